@@ -1,0 +1,43 @@
+"""`kimi-vision` command line.
+
+Each subcommand lives in its own module exposing `HELP`, `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their subcommand runs (or for `--help`),
+so `kimi-vision preprocess` never pays for importing torch or grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). The help lives here so `kimi-vision --help` imports nothing.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimi-vision", description="Kimi-K3 vision service and tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
