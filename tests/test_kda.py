@@ -1,0 +1,61 @@
+"""KDA: the chunked (WY) form against the token-by-token recurrence, and the layer's decode cache."""
+
+import pytest
+import torch
+
+from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
+
+
+def _inputs(B, T, H, K, V, seed, decay_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(B, T, H, K, generator=gen))
+    k = l2_normalize(torch.randn(B, T, H, K, generator=gen))
+    v = torch.randn(B, T, H, V, generator=gen)
+    # the layer's gate range: -5 * sigmoid(...) in [-5, 0); decay_scale < 1 keeps memory long
+    g = -5.0 * decay_scale * torch.sigmoid(2 * torch.randn(B, T, H, K, generator=gen))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    state = torch.randn(B, H, K, V, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("T", [1, CHUNK - 1, 2 * CHUNK + 37])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("decay_scale", [1.0, 0.01])
+def test_chunk_matches_recurrent(T, with_state, decay_scale):
+    q, k, v, g, beta, state = _inputs(2, T, 3, 32, 24, seed=T, decay_scale=decay_scale)
+    init = state if with_state else None
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
+    assert o.shape == (2, T, 3, 24) and s.shape == (2, 3, 32, 24)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
+def test_initial_state_matters_and_split_sequences_compose():
+    q, k, v, g, beta, state = _inputs(1, 150, 2, 16, 16, seed=7, decay_scale=0.01)
+    full, s_full = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    without, _ = chunk_kda(q, k, v, g, beta)
+    assert (full - without).abs().max() > 1e-2  # the initial state is really used
+    cut = 70
+    first, s_mid = chunk_kda(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut],
+                             initial_state=state, output_final_state=True)
+    second, s_end = chunk_kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
+                              initial_state=s_mid, output_final_state=True)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s_end, s_full, atol=1e-5, rtol=0)
+
+
+def test_default_scale_and_no_state_returned():
+    q, k, v, g, beta, _ = _inputs(1, 5, 1, 16, 4, seed=1)
+    o, s = recurrent_kda(q, k, v, g, beta)
+    o_scaled, _ = recurrent_kda(q, k, v, g, beta, scale=16**-0.5)
+    assert s is None
+    torch.testing.assert_close(o, o_scaled)
+
+
+def test_bad_shapes_are_named():
+    q, k, v, g, beta, _ = _inputs(1, 5, 2, 8, 4, seed=2)
+    with pytest.raises(ValueError, match="beta must be"):
+        chunk_kda(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 5))

@@ -1,0 +1,246 @@
+"""Kimi Delta Attention (KDA): the two reference recurrences and the KDA layer.
+
+Layout follows fla (`fla/ops/kda`): q, k, g are `[B, T, H, K]`, v is `[B, T, H, V]`, beta is
+`[B, T, H]`, the state is `[B, H, K, V]`. Per head and step (g is a per-key-channel log decay):
+
+    S = S * exp(g)[:, None]
+    S = S + (beta k) (v - k^T S)^T
+    o = (scale q)^T S
+
+`recurrent_kda` runs that loop token by token (decode, and the ground truth). `chunk_kda` computes
+the same thing in chunks of CHUNK tokens with the WY representation: inside a chunk the delta-rule
+corrections are one unit-lower-triangular solve, so the sequential part is one small matmul chain
+per chunk instead of per token. Both take q/k/v/g/beta as given; L2-normalising q/k, making the
+gate and the sigmoid beta are the layer's job (`KimiDeltaAttention` below).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK = 64  # tokens per chunk in chunk_kda
+SUB_CHUNK = 16  # diagonal blocks whose decays are formed pairwise (exactly) instead of factorised
+L2_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum x^2 + eps), as the reference kernel does
+
+
+def _check_shapes(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(g.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}]; got {tuple(beta.shape)}")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {V}]; "
+                         f"got {tuple(initial_state.shape)}")
+    return B, T, H, K, V
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA in fp32. Returns (o `[B, T, H, V]` in v's dtype, final state or None)."""
+    B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    o = v.new_empty(B, T, H, V)
+    for t in range(T):
+        k_t = k[:, t]
+        S = S * g[:, t].exp().unsqueeze(-1)
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S))
+        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def _decayed_products(a: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """P[t, j] = sum_d a[t, d] k[j, d] exp(G[t, d] - G[j, d]) for j <= t (zero above the diagonal).
+
+    a, k, G: `[..., C, K]` with G the in-chunk cumulative log decay (non-increasing along C).
+    Off-diagonal SUB_CHUNK blocks factorise around the first row of the row block (both factors
+    <= 1, so nothing overflows); the diagonal blocks are formed pairwise, which is exact for any g.
+    """
+    *lead, C, K = a.shape
+    n, s = C // SUB_CHUNK, SUB_CHUNK
+    Gb = G.reshape(*lead, n, s, K)
+    ref = Gb[..., :1, :]  # [..., n, 1, K]: cumulative decay at each row block's first row
+    a_f = a.reshape(*lead, n, s, K) * (Gb - ref).exp()  # [..., n, s, K]
+    k_f = k.unsqueeze(-3) * (ref - G.unsqueeze(-3)).clamp(max=0).exp()  # [..., n, C, K]
+    P = (a_f @ k_f.transpose(-1, -2)).reshape(*lead, C, C)  # valid where block(j) < block(t)
+    row_block = torch.arange(C, device=a.device) // s
+    P = P * (row_block[None, :] < row_block[:, None])
+    diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, s(t), s(j), K]
+    causal = torch.ones(s, s, dtype=torch.bool, device=a.device).tril()
+    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+    diag = torch.einsum("...td,...tjd,...jd->...tj", a.reshape(*lead, n, s, K), decay, k.reshape(*lead, n, s, K))
+    for b in range(n):
+        P[..., b * s:(b + 1) * s, b * s:(b + 1) * s] = diag[..., b, :, :]
+    return P
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked (WY-form) KDA in fp32, any T; same contract and result as `recurrent_kda`.
+
+    g must be a log decay (<= 0), as the layer's `-5 * sigmoid(...)` gate always is.
+    T is padded to a multiple of CHUNK with k = v = beta = g = 0, which leaves the state untouched.
+    Per chunk with cumulative decay G (within the chunk) and chunk-start state S0:
+        (I + A) [U | W] = diag(beta) [V | K*exp(G)],  A[t, j] = beta_t k_t.(exp(G_t - G_j) k_j), j < t
+        delta = U - W S0
+        o = (Q*exp(G)) S0 + M delta,                 M[t, j] = q_t.(exp(G_t - G_j) k_j), j <= t
+        S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
+    """
+    B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    pad = (-T) % CHUNK
+    # [B, H, T, D] in fp32, padded
+    q, k, v, g = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta.float().transpose(1, 2), (0, pad))
+    q = q * scale
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    eye = torch.eye(CHUNK, device=q.device)
+    o = torch.empty_like(v)
+    for start in range(0, T + pad, CHUNK):
+        sl = slice(start, start + CHUNK)
+        q_c, k_c, v_c, b_c = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
+        G = g[:, :, sl].cumsum(-2)
+        M = _decayed_products(q_c, k_c, G)
+        A = _decayed_products(k_c, k_c, G).tril(-1) * b_c.unsqueeze(-1)
+        rhs = b_c.unsqueeze(-1) * torch.cat([v_c, k_c * G.exp()], dim=-1)
+        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        U, W = UW[..., :V], UW[..., V:]
+        delta = U - W @ S
+        o[:, :, sl] = (q_c * G.exp()) @ S + M @ delta
+        G_end = G[:, :, -1:]
+        S = G_end.transpose(-1, -2).exp() * S + (k_c * (G_end - G).exp()).transpose(-1, -2) @ delta
+    o = o[:, :, :T].transpose(1, 2).to(out_dtype)
+    return o, (S if output_final_state else None)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv (no bias, fp32 weight `[C, 1, kernel]` as in nn.Conv1d), then SiLU."""
+
+    def __init__(self, channels: int, kernel: int, device=None):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, C]`; state: the previous kernel-1 inputs `[B, C, kernel-1]` (zeros at the start).
+        Returns (SiLU(conv(x)) in fp32 `[B, T, C]`, the new state)."""
+        B, T, C = x.shape
+        xt = x.float().transpose(1, 2)
+        if state is None:
+            state = xt.new_zeros(B, C, self.kernel - 1)
+        full = torch.cat([state, xt], dim=-1)
+        y = F.conv1d(full, self.weight, groups=C)
+        return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (self.kernel - 1):]
+
+
+class KDACache:
+    """Decode state of one KDA layer: conv inputs and the recurrent state, both fp32."""
+
+    def __init__(self):
+        self.conv: list[torch.Tensor | None] = [None, None, None]  # q, k, v
+        self.state: torch.Tensor | None = None
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer (tensor names as in the published checkpoint's `self_attn.*`)."""
+
+    def __init__(self, cfg, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        H, D, hidden = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+        proj = H * D
+        self.num_heads, self.head_dim = H, D
+        self.gate_lower_bound = cfg.gate_lower_bound
+        self.norm_eps = cfg.rms_norm_eps
+
+        def lin(i, o):
+            return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+
+        self.q_proj, self.k_proj, self.v_proj = lin(hidden, proj), lin(hidden, proj), lin(hidden, proj)
+        self.q_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
+        self.k_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
+        self.v_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
+        self.f_a_proj, self.f_b_proj = lin(hidden, D), lin(D, proj)
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
+        self.dt_bias = nn.Parameter(torch.zeros(proj, dtype=torch.float32, device=device))
+        self.b_proj = lin(hidden, H)
+        self.g_proj = lin(hidden, proj)  # full-rank output gate
+        self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.o_proj = lin(proj, hidden)
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
+                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[B, T, hidden]`; pad_mask `[B, T]` True at left-padding positions, which then leave
+        conv and recurrent state exactly as if they were absent."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        qkv = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        if pad_mask is not None:
+            qkv = [t.masked_fill(pad_mask[..., None], 0) for t in qkv]
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        outs = []
+        for i, (t, conv) in enumerate(zip(qkv, convs, strict=True)):
+            y, new_state = conv(t, cache.conv[i] if cache is not None else None)
+            if cache is not None:
+                cache.conv[i] = new_state
+            outs.append(y.view(B, T, H, D))
+        q, k, v = l2_normalize(outs[0]), l2_normalize(outs[1]), outs[2]
+        raw = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, H, D)
+        g = self.gate_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * (raw + self.dt_bias.view(H, D)))
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if pad_mask is not None:
+            g = g.masked_fill(pad_mask[..., None, None], 0)
+            beta = beta.masked_fill(pad_mask[..., None], 0)
+        state = cache.state if cache is not None else None
+        kda = recurrent_kda if T == 1 else chunk_kda
+        o, state = kda(q, k, v, g, beta, scale=D**-0.5, initial_state=state, output_final_state=cache is not None)
+        if cache is not None:
+            cache.state = state
+        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, D)
+        o = rms_norm(o, self.o_norm.weight, self.norm_eps) * gate
+        return self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
