@@ -1,0 +1,145 @@
+"""Deterministic random checkpoints in the published Kimi-K3 directory layout.
+
+A checkpoint is assembled from *parts*. Each part contributes tensors (with their release
+names), top-level `config.json` keys, and extra files (`preprocessor_config.json`, tokenizer
+files, ...). Adding a sub-model is one line in `PARTS`. Parts must not collide: the same tensor
+name, config key or file from two parts is an error, never a silent overwrite.
+
+Every tensor is drawn from its own generator seeded by (seed, tensor name), so the weights of
+one part never depend on which other parts exist or in what order they are listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+GENERATOR_VERSION = "vision-1"  # bump when any part's output changes (keys the embedded default's cache)
+
+MEDIA_PROC_CFG = {  # K3_FACTS section 2
+    "in_patch_limit": 65536,
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "patch_limit_on_one_side": 512,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "in_patch_limit_each_frame": 16384,
+    "sample_fps": 8.0,
+    "temporal_merge_kernel_size": 4,
+    "transparent_bg_config": {
+        "pattern": "chessboard",
+        "chessboard_square_size": 8,
+        "chessboard_square_on_top_left": True,
+        "chessboard_white_value": 255,
+        "chessboard_gray_value": 180,
+    },
+    "transparent_bg_fill_stage": "after_resize",
+}
+
+
+@dataclass
+class CheckpointPart:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # top-level config.json keys
+    json_files: dict[str, dict] = field(default_factory=dict)  # name -> JSON content
+    files: dict[str, bytes] = field(default_factory=dict)  # name -> raw bytes (e.g. tiktoken.model)
+
+
+def seeded_normal(name: str, shape: tuple[int, ...], std: float, seed: int, mean: float = 0.0) -> torch.Tensor:
+    """float32 N(mean, std^2) of `shape`, a pure function of (seed, name)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * std + mean
+
+
+def vision_part(preset: str, seed: int) -> CheckpointPart:
+    """`vision_tower.*` + `mm_projector.*` (bf16, as released), `vision_config`, `preprocessor_config.json`."""
+    from vision.config import preset as vision_preset
+    from vision.encoder import PROJECTOR_PREFIX, TOWER_PREFIX
+    from vision.projector import Projector
+    from vision.tower import VisionTower
+
+    cfg = vision_preset(preset)
+    with torch.device("meta"):
+        modules = {TOWER_PREFIX: VisionTower(cfg), PROJECTOR_PREFIX: Projector(cfg)}
+    tensors = {}
+    for prefix, module in modules.items():
+        for key, p in module.state_dict().items():
+            name = prefix + key
+            shape = tuple(p.shape)
+            owner = key.rsplit(".", 2)[-2]  # the module holding this tensor: norm0, wqkv, post_norm, ...
+            if "norm" in owner:
+                t = seeded_normal(name, shape, 0.1, seed, mean=1.0)  # norm gains near 1, not all equal
+            elif key == "patch_embed.pos_emb.weight":
+                t = seeded_normal(name, shape, 0.5, seed)
+            else:  # weight matrices (and the patch conv): fan-in scaling keeps activations O(1)
+                fan_in = math.prod(shape[1:])
+                t = seeded_normal(name, shape, 1.0 / math.sqrt(fan_in), seed)
+            tensors[name] = t.to(torch.bfloat16)
+    return CheckpointPart(
+        tensors=tensors,
+        config={
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "media_placeholder_token_id": 163605,
+            "torch_dtype": "bfloat16",
+            "vision_config": cfg.to_json(),
+        },
+        json_files={"preprocessor_config.json": {"media_proc_cfg": MEDIA_PROC_CFG}},
+    )
+
+
+# One line per sub-model. The trunk (`language_model.*` + `text_config`), the tokenizer files and
+# the MXFP4 `quantization_config` are added here by their issues.
+PARTS: list[Callable[[str, int], CheckpointPart]] = [
+    vision_part,
+]
+
+
+def merge_parts(parts: list[CheckpointPart]) -> CheckpointPart:
+    out = CheckpointPart()
+    for part in parts:
+        for attr in ("tensors", "config", "json_files", "files"):
+            have, new = getattr(out, attr), getattr(part, attr)
+            both = sorted(set(have) & set(new))
+            # Identical values (e.g. model_type) may be repeated; anything else is a conflict.
+            clash = [k for k in both if not _same(have[k], new[k])]
+            if clash:
+                raise ValueError(f"checkpoint parts disagree on {attr}: {clash}")
+            have.update(new)
+    json_names = set(out.json_files) | {"config.json"}
+    if json_names & set(out.files):
+        raise ValueError(f"files given both as JSON and raw bytes: {sorted(json_names & set(out.files))}")
+    text_hidden = (out.config.get("text_config") or {}).get("hidden_size")
+    vision_text_hidden = (out.config.get("vision_config") or {}).get("text_hidden_size")
+    if text_hidden is not None and vision_text_hidden is not None and text_hidden != vision_text_hidden:
+        raise ValueError(f"projector width {vision_text_hidden} != text_config.hidden_size {text_hidden}")
+    return out
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike[str],
+    preset: str = "tiny",
+    seed: int = 0,
+    parts: list[Callable[[str, int], CheckpointPart]] | None = None,
+) -> Path:
+    """Write a deterministic random checkpoint (same preset + seed -> byte-identical files)."""
+    from vision.checkpoint import write_checkpoint
+
+    merged = merge_parts([build(preset, seed) for build in (PARTS if parts is None else parts)])
+    out = write_checkpoint(out_dir, merged.tensors, merged.config, json_files=merged.json_files)
+    for name, data in merged.files.items():
+        (out / name).write_bytes(data)
+    return out

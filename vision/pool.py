@@ -1,0 +1,445 @@
+"""Data-parallel encoder pool: one worker process per device, one whole image per worker.
+
+K3's tower has 12 heads, which do not shard over 8 GPUs, so each image goes whole to one
+worker (`cuda:0..N-1`, or N CPU workers), chosen by the fewest outstanding patches.
+
+Transport: requests go over a per-worker `torch.multiprocessing` queue and results come back
+over a per-worker pipe. Pixel and embedding tensors are placed in shared memory (`/dev/shm`)
+and only their handles are pickled, so an image is copied once into shared memory and never
+serialised. Per-worker channels mean a worker that dies mid-write can corrupt nothing another
+worker uses.
+
+Failure: a worker that dies fails only the images it held (queued or running) with the
+retryable `WorkerDiedError` and is restarted; a slot whose worker dies again and again before
+becoming ready is retired. Workers exit on their own if the parent dies, and `close()` stops
+and reaps them all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+from vision.checkpoint import Checkpoint, CheckpointError
+from vision.config import VisionConfig
+from vision.encoder import model_input
+from vision.tower import check_grids
+
+MAX_START_FAILURES = 3  # consecutive deaths before "ready" after which a slot is retired
+_POLL_S = 0.2
+
+
+class PoolError(RuntimeError):
+    """Base class of encoder-pool errors."""
+
+    retryable = False
+
+
+class WorkerDiedError(PoolError):
+    """The worker holding this image died before answering. Retrying (here or elsewhere) is safe."""
+
+    retryable = True
+
+
+class EncodeError(PoolError):
+    """The worker ran this image and raised (the message names the problem)."""
+
+
+class PoolClosedError(PoolError):
+    """The pool is closed, or has no usable worker left."""
+
+
+def resolve_devices(devices: str | Sequence[str] | None = None, workers: int | None = None) -> list[str]:
+    """Device list, one entry per worker.
+
+    `None`/"auto": `workers` CPU workers if given, else one per CUDA device, else 1 CPU worker;
+    "cpu" / "cpu:N": N CPU workers; "cuda:0,1" or ["cuda:0", "cuda:1"]: those devices.
+    """
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if devices is None or devices == "auto":
+        if workers is not None:
+            return ["cpu"] * workers
+        n = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
+    if isinstance(devices, str):
+        if devices == "cpu" or devices.startswith("cpu:"):
+            count = devices.partition(":")[2] or str(workers or 1)
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"bad device spec {devices!r}: expected cpu:N with N >= 1")
+            return ["cpu"] * int(count)
+        if devices.startswith("cuda:"):
+            ids = devices[len("cuda:") :].split(",")
+            if not all(i.strip().isdigit() for i in ids):
+                raise ValueError(f"bad device spec {devices!r}: expected cuda:0,1,...")
+            devices = [f"cuda:{int(i)}" for i in ids]
+        else:
+            raise ValueError(f"bad device spec {devices!r}: use auto, cpu:N or cuda:0,1,...")
+    out = [str(torch.device(d)) for d in devices]
+    if not out:
+        raise ValueError("no devices given")
+    cuda = [d for d in out if d.startswith("cuda")]
+    if cuda:
+        n = torch.cuda.device_count()
+        bad = [d for d in cuda if torch.device(d).index is None or torch.device(d).index >= n]
+        if bad:
+            raise ValueError(f"devices {bad} do not exist here ({n} CUDA device(s) visible)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process
+
+
+def _exit_when_parent_dies() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+
+def _worker_main(
+    device: str, checkpoint_dir: str, dtype: torch.dtype | None, threads: int, requests: Any, results: Connection
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
+    torch.set_num_threads(threads)
+    from vision.encoder import VisionEncoder
+
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        encoder = VisionEncoder.from_checkpoint(checkpoint_dir, device=device, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        results.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    results.send(("ready", os.getpid()))
+    while True:
+        msg = requests.get()
+        if msg is None:
+            return
+        req_id, pixels, grid = msg
+        try:
+            out = encoder.encode([(pixels, grid)])[0]
+            del pixels
+            results.send(("ok", req_id, out.cpu().share_memory_()))
+        except Exception as e:  # noqa: BLE001 - one bad image must not kill the worker
+            results.send(("error", req_id, f"{type(e).__name__}: {e}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side
+
+
+@dataclass
+class _Slot:
+    index: int
+    device: str
+    generation: int = 0
+    process: Any = None
+    requests: Any = None
+    results: Connection | None = None
+    pid: int | None = None
+    ready: bool = False
+    retired: str | None = None  # why the slot takes no more work
+    restarts: int = 0
+    start_failures: int = 0
+    outstanding: int = 0  # patches queued or running on this worker
+    inflight: dict[int, tuple[Future, int]] = field(default_factory=dict)
+    load_error: str | None = None
+
+
+class EncoderPool:
+    """`submit(item) -> Future[Tensor]`; `encode(items) -> list[Tensor]` (CPU, `[num_tokens, text_hidden]`).
+
+    Items are `vision.Preprocessed` objects or `(pixel_values, grid_thw)` pairs. Thread-safe; from
+    asyncio use `asyncio.wrap_future(pool.submit(item))`.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        devices: str | Sequence[str] | None = None,
+        *,
+        workers: int | None = None,
+        dtype: torch.dtype | None = None,
+        threads_per_worker: int | None = None,
+        start_timeout_s: float = 300.0,
+    ):
+        ckpt = Checkpoint(checkpoint_dir)  # fail fast, in the caller, on a bad directory
+        try:
+            self.config = VisionConfig.from_checkpoint_config(ckpt.config)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+        self.checkpoint_dir = str(ckpt.path)
+        self.devices = resolve_devices(devices, workers)
+        cpu_workers = sum(d == "cpu" for d in self.devices)
+        self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        self._dtype = dtype
+        self._ctx = tmp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._closed = False
+        self._slots = [_Slot(i, d) for i, d in enumerate(self.devices)]
+        with self._lock:
+            for slot in self._slots:
+                self._start(slot)
+        self._collector = threading.Thread(target=self._collect, name="encoder-pool-collector", daemon=True)
+        self._collector.start()
+        try:
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._slots)
+
+    def submit(self, item: Any) -> Future:
+        """Queue one image on the worker with the fewest outstanding patches."""
+        pixels, grid = model_input(item)
+        check_grids([grid], pixels.shape[0], self.config)
+        shared = torch.empty(pixels.shape, dtype=torch.float32).share_memory_()
+        shared.copy_(pixels)
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # not cancellable once queued
+        patches = int(pixels.shape[0])
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("encoder pool is closed")
+            usable = [s for s in self._slots if s.retired is None]
+            if not usable:
+                raise PoolClosedError("no usable encoder worker: " + "; ".join(str(s.retired) for s in self._slots))
+            # Prefer workers that are up; among them the least loaded; ties to the lowest index.
+            slot = min(usable, key=lambda s: (not s.ready, s.outstanding, s.index))
+            req_id = next(self._ids)
+            slot.inflight[req_id] = (future, patches)
+            slot.outstanding += patches
+            slot.requests.put((req_id, shared, grid))
+        return future
+
+    def encode(self, items: Sequence[Any]) -> list[torch.Tensor]:
+        futures = [self.submit(it) for it in items]
+        return [f.result() for f in futures]
+
+    def health(self) -> dict[str, Any]:
+        """Per-worker state, for health checks and metrics."""
+        with self._lock:
+            workers = [
+                {
+                    "index": s.index,
+                    "device": s.device,
+                    "pid": s.pid,
+                    "alive": s.process is not None and s.process.is_alive(),
+                    "ready": s.ready,
+                    "retired": s.retired,
+                    "restarts": s.restarts,
+                    "inflight": len(s.inflight),
+                    "outstanding_patches": s.outstanding,
+                }
+                for s in self._slots
+            ]
+        return {
+            "closed": self._closed,
+            "serving": not self._closed and any(w["ready"] for w in workers),
+            "workers": workers,
+        }
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker (graceful, then terminate, then kill) and fail what is still queued."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # from here on no slot is restarted
+            slots = list(self._slots)
+            procs = [s.process for s in slots if s.process is not None]
+            for s in slots:
+                if s.process is not None and s.process.is_alive():
+                    try:
+                        s.requests.put(None)
+                    except (OSError, ValueError):
+                        pass
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if self._collector.is_alive() and threading.current_thread() is not self._collector:
+            self._collector.join()
+        with self._lock:
+            for s in slots:
+                self._fail_inflight(s, PoolClosedError("encoder pool closed before this image was encoded"))
+                self._discard_channels(s)
+
+    def __enter__(self) -> EncoderPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals (self._lock held where noted) ------------------------------------------------
+
+    def _start(self, slot: _Slot) -> None:
+        """Start a worker in `slot` (lock held). Requests queued before it is ready wait for it."""
+        slot.generation += 1
+        slot.ready = False
+        slot.pid = None
+        slot.requests = self._ctx.Queue()
+        receive, send = self._ctx.Pipe(duplex=False)
+        slot.results = receive
+        slot.process = self._ctx.Process(
+            target=_worker_main,
+            args=(slot.device, self.checkpoint_dir, self._dtype, self._threads, slot.requests, send),
+            name=f"kimi-vision-encoder-{slot.index}",
+            daemon=True,
+        )
+        slot.process.start()
+        send.close()  # the child holds the only writer, so its death closes the pipe
+        slot.pid = slot.process.pid
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                errors = [s.load_error for s in self._slots if s.load_error]
+                if errors:
+                    raise CheckpointError(f"encoder worker failed to start: {errors[0]}")
+                retired = [s.retired for s in self._slots if s.retired]
+                if retired:
+                    raise PoolError(f"encoder worker failed to start: {retired[0]}")
+                if all(s.ready for s in self._slots):
+                    return
+            if time.monotonic() > deadline:
+                raise PoolError(f"encoder workers not ready after {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def _collect(self) -> None:
+        """Single thread: receive results and notice deaths (sentinels)."""
+        while True:
+            with self._lock:
+                if self._closed and not any(s.process is not None and s.process.is_alive() for s in self._slots):
+                    return
+                watch: dict[Any, tuple[_Slot, int]] = {}
+                for s in self._slots:
+                    if s.process is not None and s.results is not None:
+                        watch[s.results] = (s, s.generation)
+                        watch[s.process.sentinel] = (s, s.generation)
+            if not watch:
+                time.sleep(_POLL_S)
+                continue
+            for obj in wait(list(watch), timeout=_POLL_S):
+                slot, generation = watch[obj]
+                if slot.generation != generation:
+                    continue  # restarted since we looked
+                if isinstance(obj, Connection):
+                    self._receive(slot, generation)
+                else:
+                    self._drain(slot, generation)
+                    self._on_death(slot, generation)
+
+    def _receive(self, slot: _Slot, generation: int) -> bool:
+        """Handle one message from `slot`'s worker; False when the pipe is finished."""
+        try:
+            msg = slot.results.recv()
+        except (EOFError, OSError, RuntimeError):
+            # EOF: the worker is gone (its sentinel fires next). A result that cannot be read
+            # (e.g. a tensor handle from a worker that died right after sending) is lost, so the
+            # worker is treated as dead: its images fail retryably and it is restarted.
+            proc = slot.process
+            if proc is not None and proc.is_alive():
+                proc.kill()
+            return False
+        kind = msg[0]
+        with self._lock:
+            if slot.generation != generation:
+                return True
+            if kind == "ready":
+                slot.ready, slot.pid, slot.start_failures = True, msg[1], 0
+            elif kind == "failed":
+                slot.load_error = msg[1]
+            elif kind in ("ok", "error"):
+                entry = slot.inflight.pop(msg[1], None)
+                if entry is None:
+                    return True
+                future, patches = entry
+                slot.outstanding -= patches
+                if kind == "ok":
+                    future.set_result(msg[2])
+                else:
+                    future.set_exception(EncodeError(f"encoder worker {slot.index} ({slot.device}): {msg[2]}"))
+        return True
+
+    def _drain(self, slot: _Slot, generation: int) -> None:
+        """Take results the worker sent before it exited (they are still good)."""
+        while slot.results is not None:
+            try:
+                if not slot.results.poll():
+                    return
+            except (OSError, EOFError):
+                return
+            if not self._receive(slot, generation):
+                return
+
+    def _on_death(self, slot: _Slot, generation: int) -> None:
+        with self._lock:
+            if slot.generation != generation:
+                return
+            proc = slot.process
+            proc.join(1.0)
+            code = proc.exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            was_ready = slot.ready
+            self._fail_inflight(
+                slot,
+                WorkerDiedError(f"encoder worker {slot.index} ({slot.device}, pid {slot.pid}) died ({how})"),
+            )
+            self._discard_channels(slot)
+            slot.process, slot.ready = None, False
+            if self._closed:
+                return
+            if slot.load_error:
+                slot.retired = f"worker {slot.index} cannot load the model: {slot.load_error}"
+                return
+            if not was_ready:
+                slot.start_failures += 1
+                if slot.start_failures >= MAX_START_FAILURES:
+                    slot.retired = f"worker {slot.index} died {slot.start_failures} times while starting ({how})"
+                    return
+            slot.restarts += 1
+            self._start(slot)
+
+    def _fail_inflight(self, slot: _Slot, error: Exception) -> None:
+        for future, _ in slot.inflight.values():
+            if not future.done():
+                future.set_exception(error)
+        slot.inflight.clear()
+        slot.outstanding = 0
+
+    @staticmethod
+    def _discard_channels(slot: _Slot) -> None:
+        if slot.requests is not None:
+            slot.requests.cancel_join_thread()  # never block on a feeder whose reader is dead
+            slot.requests.close()
+        if slot.results is not None:
+            slot.results.close()
+        slot.requests = slot.results = None
