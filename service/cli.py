@@ -13,6 +13,9 @@ import sys
 
 # name -> (module, one-line help). The help lives here so `kimi-vision --help` imports nothing.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "make-checkpoint": ("service.cmd_make_checkpoint", "write a deterministic random checkpoint in the Kimi-K3 layout"),
+    "embed": ("service.cmd_embed", "encode images into Kimi-K3 image embeddings (safetensors)"),
+    "render-chat": ("service.cmd_render_chat", "render a chat request into the Kimi-K3 prompt (and token ids)"),
 }
 
 
