@@ -1,0 +1,179 @@
+"""Bit-exactness of the project path against the plain reference (tests/k3_reference.py), on
+generated images of every Pillow mode the reference meets, with and without a resize."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from k3_reference import reference_preprocess
+from PIL import Image
+
+from vision import preprocess_image
+from vision.preprocess import COMPOSITE_TABLE, NORMALISE_TABLE
+
+# Small sizes take the no-resize path; strips longer than 7168 px force a resize cheaply.
+SIZES = [(53, 37), (7300, 23), (19, 7250)]
+
+
+def _pattern(w: int, h: int, seed: int) -> np.ndarray:
+    """Smooth gradients plus noise: exercises the bicubic filter and every value range."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 // max(1, w - 1), y * 255 // max(1, h - 1), (x * 7 + y * 13) % 256], axis=-1)
+    return np.clip(base + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)
+
+
+def _alpha(w: int, h: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed + 1)
+    a = rng.integers(0, 256, (h, w)).astype(np.uint8)
+    a[: h // 3] = 0  # fully transparent rows
+    a[h // 3 : h // 2] = 255  # fully opaque rows
+    return a
+
+
+def _save(image: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def make_image(kind: str, w: int, h: int, seed: int = 0) -> bytes:
+    rgb = _pattern(w, h, seed)
+    a = _alpha(w, h, seed)
+    gray = rgb[:, :, 0]
+    if kind == "RGB":
+        return _save(Image.fromarray(rgb), "PNG")
+    if kind == "RGB-jpeg":
+        return _save(Image.fromarray(rgb), "JPEG", quality=90)
+    if kind == "RGB-tRNS":  # RGB with a transparent colour: the reference returns it as is
+        return _save(Image.fromarray(rgb), "PNG", transparency=tuple(int(v) for v in rgb[0, 0]))
+    if kind == "RGBA":
+        return _save(Image.fromarray(np.dstack([rgb, a])), "PNG")
+    if kind == "LA":
+        return _save(Image.fromarray(np.dstack([gray, a])), "PNG")
+    if kind == "L":
+        return _save(Image.fromarray(gray), "PNG")
+    if kind == "L-tRNS":
+        return _save(Image.fromarray(gray), "PNG", transparency=int(gray[0, 0]))
+    if kind in ("P", "P-tRNS"):
+        im = Image.fromarray(rgb).quantize(64)
+        if kind == "P":
+            return _save(im, "PNG")
+        alphas = bytes(range(0, 256, 4))[:64]
+        return _save(im, "PNG", transparency=alphas)
+    if kind == "P-gif-transparent":
+        return _save(Image.fromarray(rgb).quantize(64), "GIF", transparency=3)
+    if kind == "1":
+        return _save(Image.fromarray(gray > 127), "PNG")
+    if kind == "CMYK-jpeg":
+        return _save(Image.frombytes("CMYK", (w, h), np.dstack([rgb, gray]).tobytes()), "JPEG", quality=92)
+    if kind == "CMYK-tiff":
+        return _save(Image.frombytes("CMYK", (w, h), np.dstack([rgb, 255 - gray]).tobytes()), "TIFF")
+    if kind == "I;16":
+        v = (gray.astype(np.uint16) * 257 + np.uint16(seed)).astype(np.uint16)
+        return _save(Image.fromarray(v), "PNG")
+    if kind == "I":
+        v = gray.astype(np.int32) * 3 - 100  # values outside 0..255 exercise the conversion's clipping
+        return _save(Image.frombytes("I", (w, h), v.tobytes()), "TIFF")
+    if kind == "F":
+        v = gray.astype(np.float32) * 1.5 - 50.25
+        return _save(Image.frombytes("F", (w, h), v.tobytes()), "TIFF")
+    frames_rgb = [_pattern(w, h, seed + k) for k in range(3)]
+    if kind == "GIF-animated":
+        frames = [Image.fromarray(f).quantize(32) for f in frames_rgb]
+        return _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0, transparency=5)
+    if kind == "APNG":
+        frames = [Image.fromarray(np.dstack([f, a])) for f in frames_rgb]
+        return _save(frames[0], "PNG", save_all=True, append_images=frames[1:], duration=50)
+    if kind == "WEBP-animated":
+        frames = [Image.fromarray(np.dstack([f, a])) for f in frames_rgb]
+        return _save(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=50, lossless=True)
+    if kind == "TIFF-multipage":
+        frames = [Image.fromarray(f) for f in frames_rgb]
+        return _save(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    raise AssertionError(kind)
+
+
+KINDS = [
+    "RGB", "RGB-jpeg", "RGB-tRNS", "RGBA", "LA", "L", "L-tRNS", "P", "P-tRNS", "P-gif-transparent", "1",
+    "CMYK-jpeg", "CMYK-tiff", "I;16", "I", "F", "GIF-animated", "APNG", "WEBP-animated", "TIFF-multipage",
+]
+EXPECTED_MODE = {
+    "RGB": "RGB", "RGB-jpeg": "RGB", "RGB-tRNS": "RGB", "RGBA": "RGBA", "LA": "LA", "L": "L", "L-tRNS": "L",
+    "P": "P", "P-tRNS": "P", "P-gif-transparent": "P", "1": "1", "CMYK-jpeg": "CMYK", "CMYK-tiff": "CMYK",
+    "I;16": "I;16", "I": "I", "F": "F", "GIF-animated": "P", "APNG": "RGBA", "WEBP-animated": "RGBA",
+    "TIFF-multipage": "RGB",
+}
+
+
+def assert_matches_reference(data: bytes) -> None:
+    ref = reference_preprocess(data)
+    got = preprocess_image(data)
+    for key in ("orig_size", "size", "padded_size", "grid_thw", "num_tokens", "prompt"):
+        assert getattr(got, key) == ref[key], key
+    assert got.image.dtype == np.uint8 and got.image.flags.c_contiguous
+    np.testing.assert_array_equal(got.image, ref["image"])
+    pv = got.pixel_values
+    assert pv.dtype == np.float32 and pv.shape == ref["pixel_values"].shape and pv.flags.c_contiguous
+    # Bitwise, not approximately: compare the float32 bit patterns.
+    assert np.array_equal(pv.view(np.uint32), np.ascontiguousarray(ref["pixel_values"]).view(np.uint32))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", KINDS)
+def test_bit_exact_against_reference(kind: str, size: tuple[int, int]) -> None:
+    data = make_image(kind, *size)
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.mode == EXPECTED_MODE[kind], "the generator must produce the mode under test"
+    assert_matches_reference(data)
+
+
+def test_transparent_pixels_become_the_checkerboard() -> None:
+    data = make_image("RGBA", 53, 37)
+    out = preprocess_image(data).image
+    # Rows 0..11 are fully transparent: pure checkerboard, top-left square white, neighbours gray.
+    assert (out[0, 0] == 255).all() and (out[0, 8] == 180).all() and (out[8, 0] == 180).all()
+    assert (out[8, 8] == 255).all()
+    assert (out[:, 53:] == 0).all() and (out[37:] == 0).all(), "padding is black, never checkerboard"
+
+
+def test_normalise_table_matches_both_readings_of_the_spec() -> None:
+    x = np.arange(256, dtype=np.uint8)
+    literal = ((x / 255.0).astype(np.float32) - np.array([0.5]) * 1.0) * (1.0 / np.array([0.5]))
+    inplace = x.astype(np.float32) / 255.0  # the in-place float32 form some ports use
+    inplace -= np.array([0.5])
+    inplace *= 1.0 / np.array([0.5])
+    assert np.array_equal(NORMALISE_TABLE.view(np.uint32), literal.astype(np.float32).view(np.uint32))
+    assert np.array_equal(NORMALISE_TABLE.view(np.uint32), inplace.view(np.uint32))
+    assert NORMALISE_TABLE[0] == -1.0 and NORMALISE_TABLE[255] == 1.0
+
+
+def test_composite_table_is_the_float32_blend_everywhere() -> None:
+    a = np.arange(256, dtype=np.uint8)
+    for g, bg in enumerate((255, 180)):
+        for v in range(256):
+            alpha = a.astype(np.float32) / 255.0
+            expected = (alpha * np.uint8(v) + (1 - alpha) * np.full(256, bg, np.uint8)).astype(np.uint8)
+            np.testing.assert_array_equal(COMPOSITE_TABLE[g, :, v], expected)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    w=st.integers(1, 90),
+    h=st.integers(1, 90),
+    kind=st.sampled_from(["RGB", "RGBA", "LA", "P-tRNS", "L"]),
+    seed=st.integers(0, 2**16),
+)
+def test_bit_exact_random_sizes(w: int, h: int, kind: str, seed: int) -> None:
+    assert_matches_reference(make_image(kind, w, h, seed))
+
+
+@settings(max_examples=6, deadline=None)
+@given(long=st.integers(7169, 9000), short=st.integers(1, 12), tall=st.booleans())
+def test_bit_exact_random_resized_strips(long: int, short: int, tall: bool) -> None:
+    w, h = (short, long) if tall else (long, short)
+    assert_matches_reference(make_image("RGBA", w, h, long))

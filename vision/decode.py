@@ -1,0 +1,256 @@
+"""Untrusted bytes -> a Pillow image, with every limit checked from the header first.
+
+`open_header` reads only the container header (size, mode, frame count, EXIF orientation);
+`decode` then decodes the first frame's pixels. Everything Pillow does here runs with its
+warnings silenced (they are about the input, and the input's problems become `ImageError`s).
+Pillow's own decompression-bomb limit is not what protects the caller: `Limits` is checked
+first, from the header, and is stricter by default.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from PIL import Image
+
+from .errors import ImageDecodeError, ImageTooLargeError, UnsupportedMediaError
+
+# Formats whose decoders Pillow ships and that have unambiguous signatures (JPEG includes MPO). Formats such as EPS
+# (runs Ghostscript) or TGA (no signature: random bytes can "be" a TGA) are left out on purpose.
+ACCEPTED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "AVIF", "JPEG2000", "PPM", "ICO")
+
+# Formats whose frame count needs a walk over the file (Pillow seeks); done on a separate
+# handle so the image that gets decoded is never moved off its first frame.
+_FRAME_WALK_FORMATS = ("GIF", "TIFF")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What an input may be at most. Checked before any pixel is decoded."""
+
+    max_bytes: int = 32 * 1024 * 1024  # encoded size
+    max_pixels: int = 64_000_000  # decoded width * height of the first frame
+    max_side: int = 131_072  # longest decoded side
+    max_frames: int = 10_000  # animation frames in the container (only the first is used)
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_side", "max_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
+
+
+# --- warnings --------------------------------------------------------------------------------
+# `warnings.catch_warnings` swaps the process-wide filter list, so two threads using it at once
+# can restore each other's state. Concurrent decodes share one swap, counted under a lock, and
+# the filter only matches warnings attributed to Pillow's or this package's modules.
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_cm: warnings.catch_warnings | None = None
+
+
+@contextmanager
+def pillow_quiet() -> Iterator[None]:
+    global _quiet_depth, _quiet_cm
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_cm = warnings.catch_warnings()
+            _quiet_cm.__enter__()
+            warnings.filterwarnings("ignore", module=r"(PIL|vision)(\.|$)")
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0 and _quiet_cm is not None:
+                _quiet_cm.__exit__(None, None, None)
+                _quiet_cm = None
+
+
+# --- what the bytes are ----------------------------------------------------------------------
+_ISO_BMFF_IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
+
+
+def sniff_non_image(data: bytes) -> str | None:
+    """A short description if `data` is recognisably video, audio or a document, else None."""
+    head = data[:64]
+    if head[4:8] == b"ftyp":
+        brand = head[8:12]
+        if brand in _ISO_BMFF_IMAGE_BRANDS:
+            return None
+        return f"an MP4/QuickTime video (brand {brand.decode('latin-1').strip()!r})"
+    if head.startswith(b"\x1a\x45\xdf\xa3"):
+        return "a Matroska/WebM video"
+    if head.startswith(b"RIFF") and head[8:12] in (b"AVI ", b"WAVE"):
+        return "an AVI video" if head[8:12] == b"AVI " else "a WAV audio file"
+    if head.startswith(b"FLV\x01"):
+        return "an FLV video"
+    if head.startswith(b"\x30\x26\xb2\x75\x8e\x66\xcf\x11"):
+        return "an ASF/WMV video"
+    if head.startswith((b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")):
+        return "an MPEG video"
+    if len(data) > 188 and data[0] == 0x47 and data[188] == 0x47:
+        return "an MPEG transport stream (video)"
+    if head.startswith(b"OggS"):
+        return "an Ogg media file"
+    if head.startswith((b"ID3", b"fLaC")):
+        return "an audio file"
+    if head.startswith(b"%PDF"):
+        return "a PDF document"
+    return None
+
+
+# --- header ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Header:
+    """What the container header says, before any pixel is decoded."""
+
+    format: str
+    mode: str
+    size: tuple[int, int]  # decoded (width, height) of the first frame
+    frames: int
+    orientation: int  # EXIF orientation 1..8 (1 when absent or not asked for)
+
+
+def _open(data: bytes) -> Image.Image:
+    Image.init()  # registers every plugin (once); `formats=` only knows registered ones
+    try:
+        return Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
+    except Image.DecompressionBombError as e:
+        raise ImageTooLargeError(f"image is far too large to decode ({e})") from None
+    except Image.UnidentifiedImageError:
+        raise ImageDecodeError(
+            "not a recognised image (accepted formats: " + ", ".join(ACCEPTED_FORMATS) + ")"
+        ) from None
+    except Exception as e:  # Pillow raises many types on malformed headers
+        raise ImageDecodeError(f"corrupt image header: {_describe(e)}") from None
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _frame_count(image: Image.Image, data: bytes) -> int:
+    if image.format in _FRAME_WALK_FORMATS:
+        probe = Image.open(io.BytesIO(data), formats=(image.format,))
+        try:
+            return int(getattr(probe, "n_frames", 1))
+        finally:
+            probe.close()
+    return int(getattr(image, "n_frames", 1))
+
+
+def _png_exif_after_pixels(data: bytes) -> bytes | None:
+    """The eXIf chunk of a PNG when it follows the image data (Pillow finds it only on load)."""
+    pos = 8
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        if kind == b"eXIf":
+            return b"Exif\x00\x00" + data[pos + 8 : pos + 8 + length]
+        if kind == b"IEND":
+            return None
+        pos += 12 + length
+    return None
+
+
+def _orientation(image: Image.Image, data: bytes) -> int:
+    if image.format == "PNG" and "exif" not in image.info:
+        exif = _png_exif_after_pixels(data)
+        if exif is not None:
+            image.info["exif"] = exif
+    # The base-class getexif reads what the header gave (PNG's override would decode pixels).
+    value = Image.Image.getexif(image).get(0x0112, 1)
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) -> tuple[Image.Image, Header]:
+    """Open `data` lazily and check `limits` from the header. No pixel data is decoded."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"image data must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > limits.max_bytes:
+        raise ImageTooLargeError(
+            f"encoded image is {len(data):,} bytes, over the {limits.max_bytes:,}-byte limit; "
+            "send a smaller or more compressed file"
+        )
+    if not data:
+        raise ImageDecodeError("image data is empty")
+    media = sniff_non_image(data)
+    if media is not None:
+        raise UnsupportedMediaError(
+            f"input looks like {media}; Kimi-K3's processor takes still images only "
+            "(video is not supported by the K3 processor: send frames as images)"
+        )
+    with pillow_quiet():
+        image = _open(data)
+        try:
+            w, h = image.size
+            if w < 1 or h < 1:
+                raise ImageDecodeError(f"image header declares an empty size {w}x{h}")
+            if max(w, h) > limits.max_side:
+                raise ImageTooLargeError(
+                    f"image is {w}x{h}; its longest side is over the {limits.max_side:,}-pixel limit"
+                )
+            if w * h > limits.max_pixels:
+                raise ImageTooLargeError(
+                    f"image is {w}x{h} = {w * h:,} pixels, over the {limits.max_pixels:,}-pixel limit; "
+                    "downscale it before sending"
+                )
+            try:
+                frames = _frame_count(image, data)
+                orientation = _orientation(image, data) if exif_transpose else 1
+            except Exception as e:
+                raise ImageDecodeError(f"corrupt image container: {_describe(e)}") from None
+            if frames > limits.max_frames:
+                raise ImageTooLargeError(
+                    f"animation has {frames:,} frames, over the {limits.max_frames:,}-frame limit "
+                    "(only the first frame is used; send it as a still image)"
+                )
+        except BaseException:
+            image.close()
+            raise
+    return image, Header(image.format or "?", image.mode, (w, h), frames, orientation)
+
+
+# Pillow's transpose for each EXIF orientation (the TIFF/EXIF definition of the tag).
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def oriented_size(header: Header) -> tuple[int, int]:
+    """The size after applying the EXIF orientation (orientations 5-8 swap the sides)."""
+    w, h = header.size
+    return (h, w) if header.orientation >= 5 else (w, h)
+
+
+def decode(image: Image.Image, header: Header) -> Image.Image:
+    """Decode the first frame's pixels (in its native mode) and apply the EXIF orientation."""
+    with pillow_quiet():
+        try:
+            image.load()
+        except Image.DecompressionBombError as e:
+            raise ImageTooLargeError(f"image is far too large to decode ({e})") from None
+        except MemoryError:
+            raise ImageTooLargeError("not enough memory to decode this image") from None
+        except Exception as e:  # truncated or corrupt pixel data: OSError, SyntaxError, zlib.error, ...
+            raise ImageDecodeError(f"image data is truncated or corrupt: {_describe(e)}") from None
+        if image.size != header.size:
+            raise ImageDecodeError(f"decoded size {image.size} differs from the header's {header.size}")
+        method = _TRANSPOSE.get(header.orientation)
+        return image.transpose(method) if method is not None else image

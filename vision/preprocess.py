@@ -1,0 +1,243 @@
+"""Image bytes -> exactly the model input Kimi-K3's own processor produces (K3_FACTS section 2).
+
+The reference steps, and how this module does each one:
+  1. size rule                  -> `vision.navit.plan_size` (same float expressions)
+  2. Pillow BICUBIC resize in the image's native mode -> Pillow itself (it *is* the reference)
+  3. checkerboard compositing after the resize (float32 blend, truncation)
+                                -> one gather from a 2x256x256 table built with the same float32 ops
+  4. black bottom/right padding -> Pillow `crop` past the edge (RGB) or a zeroed numpy canvas
+  5. normalisation `(x/255.0).astype(float32) - 0.5) * 2.0` -> a 256-entry table built by those ops
+  6. row-major 14x14 patches    -> one uint8 re-layout, then one table lookup into the float32 output
+Steps 3 and 5 are exact because their inputs are uint8: a table over every possible input holds
+exactly what the float expression gives. `resize="fast"` swaps step 2 for OpenCV (not exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+from .decode import Header, Limits, decode, open_header, oriented_size, pillow_quiet
+from .errors import ImageDecodeError
+from .navit import PATCH_SIZE, SizePlan, plan_size
+
+ResizeMode = Literal["exact", "fast"]
+RESIZE_MODES = ("exact", "fast")
+
+# Processor config (K3_FACTS section 2).
+IMAGE_MEAN = 0.5  # the same for all three channels
+IMAGE_STD = 0.5
+CHECKER_SQUARE = 8
+CHECKER_WHITE = 255  # the top-left square
+CHECKER_GRAY = 180
+
+PROMPT_TEMPLATE = "<|media_begin|>image {w}x{h}<|media_content|><|media_pad|><|media_end|>"
+
+
+def _normalise_table() -> np.ndarray:
+    # The reference expression applied to every possible uint8 value: float64 division, cast to
+    # float32, then float64 mean and 1/std (numpy promotes), cast back to float32.
+    x = (np.arange(256, dtype=np.uint8) / 255.0).astype(np.float32)
+    x = x - np.array([IMAGE_MEAN], dtype=np.float64)
+    x = x * (1.0 / np.array([IMAGE_STD], dtype=np.float64))
+    return x.astype(np.float32)
+
+
+def _composite_table() -> np.ndarray:
+    # table[g, a, v] = the reference blend of colour value v with alpha a over background g
+    # (0 = white, 1 = gray): float32 alpha = a / 255, alpha*v + (1-alpha)*bg, truncated to uint8.
+    alpha = (np.arange(256, dtype=np.uint8).astype(np.float32) / 255.0)[None, :, None]
+    value = np.arange(256, dtype=np.uint8)[None, None, :]
+    background = np.array([CHECKER_WHITE, CHECKER_GRAY], dtype=np.uint8)[:, None, None]
+    return (alpha * value + (1.0 - alpha) * background).astype(np.uint8)
+
+
+NORMALISE_TABLE = _normalise_table()
+NORMALISE_TABLE.flags.writeable = False
+COMPOSITE_TABLE = _composite_table()
+COMPOSITE_TABLE.flags.writeable = False
+
+
+def options_key(*, max_tokens: int | None = None, exif_transpose: bool = False, resize: ResizeMode = "exact") -> str:
+    """A stable string naming every option that changes the output (limits do not: they only
+    accept or refuse). Bump the version when the output for the same options changes."""
+    _check_options(max_tokens, resize)
+    return f"kimi-k3-image/v1;max_tokens={max_tokens};exif_transpose={int(bool(exif_transpose))};resize={resize}"
+
+
+def _check_options(max_tokens: int | None, resize: str) -> None:
+    if resize not in RESIZE_MODES:
+        raise ValueError(f"resize must be one of {RESIZE_MODES}, got {resize!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Preprocessed:
+    """One image as the model takes it. Sizes are (width, height)."""
+
+    orig_size: tuple[int, int]  # decoded size (after EXIF orientation when that option is on)
+    size: tuple[int, int]  # after the resize
+    padded_size: tuple[int, int]  # multiples of 28
+    grid_thw: tuple[int, int, int]  # (1, rows, columns) of 14-px patches
+    num_tokens: int
+    prompt: str
+    image: np.ndarray = field(repr=False)  # uint8 (H, W, 3) padded model input, C-contiguous, read-only
+    source_format: str = ""
+    source_mode: str = ""
+    _pixel_values: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """float32 [N, 3, 14, 14], N = rows * columns, patches in raster order. Built on first use."""
+        if self._pixel_values is None:
+            object.__setattr__(self, "_pixel_values", patchify_normalise(self.image))
+        return self._pixel_values
+
+
+def patchify_normalise(image: np.ndarray) -> np.ndarray:
+    """uint8 (H, W, 3) with H, W multiples of 14 -> normalised float32 [H/14 * W/14, 3, 14, 14]."""
+    import cv2
+
+    h, w, c = image.shape
+    rows, cols, p = h // PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE
+    # Re-layout the uint8 pixels first (a quarter of the bytes of the float output): rows of
+    # 14*3 bytes stay contiguous in the first pass, the channel split happens in the second.
+    strips = np.ascontiguousarray(image.reshape(rows, p, cols, p * c).transpose(0, 2, 1, 3))
+    patches = np.ascontiguousarray(strips.reshape(rows, cols, p, p, c).transpose(0, 1, 4, 2, 3))
+    # The table lookup writes the float32 output once (cv2.LUT: a plain gather, no arithmetic).
+    out = cv2.LUT(patches.reshape(-1, p), NORMALISE_TABLE)
+    return out.reshape(rows * cols, c, p, p)
+
+
+def _checker_index(height: int, width: int) -> np.ndarray:
+    # 0 where the square is white, 1 where gray; built per call, never cached (an image-sized
+    # background held in a cache is the reference's memory pitfall).
+    ys = (np.arange(height) // CHECKER_SQUARE % 2).astype(np.uint8)
+    xs = (np.arange(width) // CHECKER_SQUARE % 2).astype(np.uint8)
+    return ys[:, None] ^ xs[None, :]
+
+
+def _needs_composite(image: Image.Image) -> bool:
+    # The reference's rule, in its order: RGB is returned as is (even with a tRNS colour);
+    # otherwise an alpha band (any band named "A") or a transparency entry means compositing.
+    if image.mode == "RGB":
+        return False
+    return "A" in image.getbands() or "transparency" in image.info
+
+
+def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarray:
+    """Resized image -> uint8 (Hp, Wp, 3): compositing or RGB conversion, then black padding."""
+    pw, ph = padded_size
+    with pillow_quiet():
+        if not _needs_composite(image):
+            rgb = image if image.mode == "RGB" else image.convert("RGB")
+            # crop past the bottom/right edge fills with 0: the padding, in the same copy.
+            return np.asarray(rgb.crop((0, 0, pw, ph)))
+        rgba = np.asarray(image if image.mode == "RGBA" else image.convert("RGBA"))
+    h, w = rgba.shape[:2]
+    canvas = np.zeros((ph, pw, 3), dtype=np.uint8)
+    canvas[:h, :w] = COMPOSITE_TABLE[_checker_index(h, w)[:, :, None], rgba[:, :, 3:4], rgba[:, :, :3]]
+    canvas.flags.writeable = False
+    return canvas
+
+
+def _resize_exact(image: Image.Image, size: tuple[int, int]) -> Image.Image:
+    if image.size == size:
+        return image  # Pillow's resize to the same size is a plain copy
+    with pillow_quiet():
+        return image.resize(size, resample=Image.Resampling.BICUBIC)
+
+
+# Modes whose reference resize is a bicubic filter over 8-bit samples: the fast path applies to
+# these. P and 1 already resize with NEAREST (cheap); other modes take the exact path.
+_FAST_MODES = {"RGB": None, "L": None, "RGBA": "RGBa", "LA": "La"}
+
+
+def _resize_fast(image: Image.Image, size: tuple[int, int]) -> Image.Image:
+    import cv2
+
+    if image.size == size or image.mode not in _FAST_MODES:
+        return _resize_exact(image, size)
+    premultiplied = _FAST_MODES[image.mode]
+    with pillow_quiet():
+        # Pillow resizes alpha images premultiplied; so does this, or transparent pixels' colours
+        # would bleed into their neighbours.
+        source = image.convert(premultiplied) if premultiplied else image
+        array = np.asarray(source)
+        resized = cv2.resize(array, size, interpolation=cv2.INTER_AREA)
+        if resized.ndim == 2 and array.ndim == 3:  # OpenCV drops a trailing channel axis of 1
+            resized = resized[:, :, None]
+        out = Image.fromarray(resized, mode=premultiplied or image.mode)
+        out = out.convert(image.mode) if premultiplied else out
+    out.info = dict(image.info)
+    return out
+
+
+def _plan(header: Header, max_tokens: int | None) -> SizePlan:
+    w, h = oriented_size(header)
+    return plan_size(w, h, max_tokens)
+
+
+def count_tokens(
+    data: bytes,
+    *,
+    max_tokens: int | None = None,
+    exif_transpose: bool = False,
+    resize: ResizeMode = "exact",
+    limits: Limits | None = None,
+) -> int:
+    """The token count `preprocess_image` gives for the same bytes and options, from the header
+    alone (no pixel decode). Raises the same `ImageError`s for limits and unreadable headers."""
+    _check_options(max_tokens, resize)
+    image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
+    image.close()
+    return _plan(header, max_tokens).num_tokens
+
+
+def preprocess_image(
+    data: bytes,
+    *,
+    max_tokens: int | None = None,
+    exif_transpose: bool = False,
+    resize: ResizeMode = "exact",
+    limits: Limits | None = None,
+) -> Preprocessed:
+    """Encoded image bytes -> the model input. Defaults reproduce the reference bit for bit.
+
+    max_tokens: strict cap on the token count (default: the reference's own budget, <= 16,817).
+    exif_transpose: apply the EXIF orientation first (the reference does not).
+    resize: "exact" (Pillow BICUBIC, the reference) or "fast" (OpenCV INTER_AREA for 8-bit
+        RGB/L/RGBA/LA images; close to but not identical with the reference).
+    limits: refused before any pixel is decoded (`ImageTooLargeError`).
+    Raises `ImageError` subclasses for bad input.
+    """
+    _check_options(max_tokens, resize)
+    image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
+    try:
+        decoded = decode(image, header)
+        plan = _plan(header, max_tokens)
+        if decoded.size != plan.orig_size:
+            raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
+        resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
+        try:
+            padded = _to_padded_rgb(resized, plan.padded_size)
+        except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
+            raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
+    finally:
+        image.close()
+    w, h = plan.orig_size
+    return Preprocessed(
+        orig_size=plan.orig_size,
+        size=plan.size,
+        padded_size=plan.padded_size,
+        grid_thw=plan.grid_thw,
+        num_tokens=plan.num_tokens,
+        prompt=PROMPT_TEMPLATE.format(w=w, h=h),
+        image=padded,
+        source_format=header.format,
+        source_mode=header.mode,
+    )
