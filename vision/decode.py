@@ -119,18 +119,43 @@ class Header:
     orientation: int  # EXIF orientation 1..8 (1 when absent or not asked for)
 
 
-def _open(data: bytes) -> Image.Image:
+_SIGNATURES = (
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"GIF8", "GIF"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"BM", "BMP"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG2000"),
+    (b"\xffO\xffQ", "JPEG2000"),
+)
+
+
+def _signature(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((name for magic, name in _SIGNATURES if data.startswith(magic)), None)
+
+
+def _open(data: bytes, limits: Limits) -> Image.Image:
     Image.init()  # registers every plugin (once); `formats=` only knows registered ones
     try:
         return Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
-    except Image.DecompressionBombError as e:
-        raise ImageTooLargeError(f"image is far too large to decode ({e})") from None
+    except Image.DecompressionBombError:
+        # Pillow's own ceiling (2 x Image.MAX_IMAGE_PIXELS) trips before our check can run.
+        raise ImageTooLargeError(
+            f"image header declares more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels, over the "
+            f"{limits.max_pixels:,}-pixel limit; downscale it before sending"
+        ) from None
     except Image.UnidentifiedImageError:
+        kind = _signature(data)
+        if kind is not None:
+            raise ImageDecodeError(f"truncated or corrupt {kind} header") from None
         raise ImageDecodeError(
             "not a recognised image (accepted formats: " + ", ".join(ACCEPTED_FORMATS) + ")"
         ) from None
     except Exception as e:  # Pillow raises many types on malformed headers
-        raise ImageDecodeError(f"corrupt image header: {_describe(e)}") from None
+        raise ImageDecodeError(f"truncated or corrupt image header: {_describe(e)}") from None
 
 
 def _describe(e: BaseException) -> str:
@@ -186,12 +211,13 @@ def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) ->
         raise ImageDecodeError("image data is empty")
     media = sniff_non_image(data)
     if media is not None:
+        advice = "extract frames and send them as images" if "video" in media else "send an image file"
         raise UnsupportedMediaError(
             f"input looks like {media}; Kimi-K3's processor takes still images only "
-            "(video is not supported by the K3 processor: send frames as images)"
+            f"(it rejects every other media type): {advice}"
         )
     with pillow_quiet():
-        image = _open(data)
+        image = _open(data, limits)
         try:
             w, h = image.size
             if w < 1 or h < 1:

@@ -1,0 +1,186 @@
+"""Bad input: each gets the right `ImageError` subclass with a message a user can act on, limits
+are enforced from the header, and no Pillow warning escapes."""
+
+from __future__ import annotations
+
+import io
+import struct
+import threading
+import warnings
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vision import (
+    ImageDecodeError,
+    ImageError,
+    ImageTooLargeError,
+    Limits,
+    UnsupportedMediaError,
+    count_tokens,
+    preprocess_image,
+)
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_header_only(w: int, h: int) -> bytes:
+    """A valid PNG header for a w x h grayscale image whose pixel data is missing."""
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\x00" * 10)) + _chunk(
+        b"IEND", b""
+    )
+
+
+def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _jpeg(w: int = 64, h: int = 48) -> bytes:
+    rng = np.random.default_rng(0)
+    return _encode(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), "JPEG")
+
+
+def _gif_frames(n: int) -> bytes:
+    frames = [Image.new("RGB", (8, 8), (40 * i, 0, 0)) for i in range(n)]
+    return _encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+
+
+def _corrupt_png_idat() -> bytes:
+    data = bytearray(_encode(Image.new("RGB", (64, 64), (10, 20, 30)), "PNG"))
+    start = data.index(b"IDAT") + 4
+    data[start : start + 8] = b"\xff" * 8  # breaks the zlib stream (and the CRC)
+    return bytes(data)
+
+
+BAD_INPUTS = {
+    "empty": (b"", ImageDecodeError, "empty"),
+    "random bytes": (bytes(np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8)), ImageDecodeError,
+                     "not a recognised image"),
+    "text": (b"hello, this is not an image\n" * 10, ImageDecodeError, "not a recognised image"),
+    "truncated jpeg": (_jpeg()[:400], ImageDecodeError, "truncated or corrupt"),
+    "png signature only": (b"\x89PNG\r\n\x1a\n", ImageDecodeError, "corrupt PNG header"),
+    "png cut inside the header": (_encode(Image.new("L", (9, 9)), "PNG")[:20], ImageDecodeError, "truncated"),
+    "png corrupt pixel data": (_corrupt_png_idat(), ImageDecodeError, "truncated or corrupt"),
+    "png zero width": (png_header_only(0, 10), ImageDecodeError, "corrupt PNG header"),
+    "gif cut after the header": (_encode(Image.new("L", (9, 9)), "GIF")[:14], ImageDecodeError, "corrupt"),
+    "png header, pixels missing": (png_header_only(300, 200), ImageDecodeError, "truncated or corrupt"),
+    "eps (not an accepted format)": (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", ImageDecodeError,
+                                     "accepted formats"),
+    "80 MP header": (png_header_only(10000, 8000), ImageTooLargeError, "pixel limit"),
+    "400 MP header (Pillow's bomb size)": (png_header_only(20000, 20000), ImageTooLargeError, "limit"),
+    "mp4 video": (b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41" + b"\x00" * 64, UnsupportedMediaError,
+                  "video"),
+    "quicktime video": (b"\x00\x00\x00\x14ftypqt  \x00\x00\x00\x00qt  " + b"\x00" * 64, UnsupportedMediaError,
+                        "video"),
+    "webm video": (b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01" + b"\x00" * 64, UnsupportedMediaError, "video"),
+    "avi video": (b"RIFF\x00\x10\x00\x00AVI LIST" + b"\x00" * 64, UnsupportedMediaError, "video"),
+    "wav audio": (b"RIFF\x00\x10\x00\x00WAVEfmt " + b"\x00" * 64, UnsupportedMediaError, "audio"),
+    "pdf": (b"%PDF-1.7\n" + b"\x00" * 64, UnsupportedMediaError, "PDF"),
+}
+# Inputs whose header is sound; only decoding the pixels finds the problem.
+PIXEL_DATA_PROBLEMS = {"png corrupt pixel data", "png header, pixels missing"}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_gets_the_right_error(name: str) -> None:
+    data, error, words = BAD_INPUTS[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(error, match=words) as info:
+            preprocess_image(data)
+    assert isinstance(info.value, ImageError) and isinstance(info.value, ValueError)
+    e = info.value
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), "no chained library error"
+    assert not caught, [str(w.message) for w in caught]
+    if name in PIXEL_DATA_PROBLEMS:
+        assert count_tokens(data) > 0, "the header alone is fine"
+    else:  # everything decided from the header is refused by the header-only count too
+        with pytest.raises(error, match=words):
+            count_tokens(data)
+
+
+def test_video_refusal_names_why() -> None:
+    with pytest.raises(UnsupportedMediaError, match="still images only"):
+        preprocess_image(BAD_INPUTS["mp4 video"][0])
+
+
+def test_avif_brand_is_not_mistaken_for_video() -> None:
+    data = _encode(Image.new("RGB", (30, 20), (200, 10, 10)), "AVIF")
+    assert data[4:12] == b"ftypavif"
+    assert preprocess_image(data).orig_size == (30, 20)
+
+
+@pytest.mark.parametrize(
+    ("limits", "data", "words"),
+    [
+        (Limits(max_bytes=100), _jpeg(), "byte limit"),
+        (Limits(max_pixels=1000), _jpeg(64, 48), "pixel limit"),
+        (Limits(max_side=50), _jpeg(64, 10), "longest side"),
+        (Limits(max_frames=2), _gif_frames(3), "frame limit"),
+    ],
+)
+def test_each_limit(limits: Limits, data: bytes, words: str) -> None:
+    with pytest.raises(ImageTooLargeError, match=words):
+        preprocess_image(data, limits=limits)
+    with pytest.raises(ImageTooLargeError, match=words):
+        count_tokens(data, limits=limits)
+
+
+def test_limits_at_the_boundary_pass() -> None:
+    data = _gif_frames(3)
+    limits = Limits(max_bytes=len(data), max_pixels=64, max_side=8, max_frames=3)
+    assert preprocess_image(data, limits=limits).orig_size == (8, 8)
+
+
+def test_pillow_bomb_warning_does_not_leak_when_limits_allow_the_size() -> None:
+    # 9500 x 9500 = 90.25 MP: above Pillow's warning threshold (~89.5 MP), allowed by these limits.
+    data = png_header_only(9500, 9500)
+    filters_before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert count_tokens(data, limits=Limits(max_pixels=100_000_000)) > 0
+    assert not caught, [str(w.message) for w in caught]
+    assert warnings.filters == filters_before
+
+
+def test_concurrent_calls_leave_the_warning_filters_as_they_were() -> None:
+    data = _encode(Image.new("RGBA", (200, 100), (1, 2, 3, 100)), "PNG")
+    filters_before = list(warnings.filters)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                preprocess_image(data)
+                with pytest.raises(ImageDecodeError):
+                    preprocess_image(b"junk")
+        except BaseException as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert warnings.filters == filters_before
+
+
+def test_non_bytes_input_is_a_programming_error() -> None:
+    with pytest.raises(TypeError):
+        preprocess_image("photo.jpg")  # type: ignore[arg-type]
+
+
+def test_bad_options_are_refused() -> None:
+    data = _jpeg()
+    with pytest.raises(ValueError, match="resize"):
+        preprocess_image(data, resize="bilinear")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_tokens"):
+        count_tokens(data, max_tokens=0)
