@@ -1,0 +1,95 @@
+"""Triton MXFP4 kernels, run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest).
+
+Shapes are tiny and blocks large so the interpreter stays fast; ragged edges in M, N and K are
+all exercised. The GPU performance run lives in bench/gpu_mxfp4.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+from textcore import mxfp4
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "conftest must set TRITON_INTERPRET before kernels are imported"
+triton_kernels = pytest.importorskip("textcore.mxfp4_triton")
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return mxfp4.quantize(torch.randn(n, k, generator=g) * torch.logspace(-2, 2, n)[:, None])
+
+
+def _reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantise, then matmul in float32."""
+    return x.float() @ mxfp4.dequantize(packed, scale, torch.float32).T
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "blocks"),
+    [
+        (1, 40, 64, None),  # decode-sized: default blocks, BLOCK_K larger than K
+        (5, 48, 96, (16, 32, 64)),  # ragged K tail (96 = 64 + 32) and ragged M
+        (20, 33, 128, (32, 16, 128)),  # ragged N, two M tiles
+    ],
+)
+def test_dense_kernel_equals_dequantise_then_matmul(m, n, k, blocks):
+    packed, scale = _weight(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    y = triton_kernels.mxfp4_matmul(x, packed, scale, blocks=blocks)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), _reference(x, packed, scale), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(y, mxfp4.matmul(x, packed, scale, backend="torch"), rtol=2**-7, atol=1e-6)
+
+
+def test_dense_kernel_decodes_every_byte_and_scale_exactly():
+    # x = identity in float32 makes the kernel return W itself: every byte value, scale codes from 0
+    # (subnormal 2^-127) to 252 (the largest without overflow, which would turn 0 * inf into NaN).
+    packed = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    scale = torch.tensor([[0, 1], [2, 60], [100, 126], [127, 128], [129, 180], [200, 250], [251, 252], [3, 127]])
+    scale = scale.to(torch.uint8)
+    w = triton_kernels.mxfp4_matmul(torch.eye(64), packed, scale, blocks=(64, 16, 64)).T
+    expected = mxfp4.dequantize(packed, scale, torch.float32)
+    assert torch.equal(w, expected)  # (+0 and -0 compare equal: the dot's sums lose the sign of zero)
+
+
+def test_nan_scale_gives_nan():
+    packed = torch.full((2, 16), 0x22, dtype=torch.uint8)
+    scale = torch.tensor([[255], [127]], dtype=torch.uint8)
+    y = triton_kernels.mxfp4_matmul(torch.ones(1, 32, dtype=torch.bfloat16), packed, scale)
+    assert torch.isnan(y[0, 0]) and y[0, 1].item() == 32.0
+
+
+def test_matmul_dispatch_with_batch_dims_and_strided_x():
+    packed, scale = _weight(32, 64, seed=9)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)).bfloat16().T  # non-contiguous
+    y = mxfp4.matmul(x.reshape(2, 3, 64), packed, scale, backend="triton")
+    assert y.shape == (2, 3, 32)
+    torch.testing.assert_close(y.reshape(6, 32).float(), _reference(x, packed, scale), rtol=2**-8, atol=1e-6)
+
+
+def test_expert_kernel_equals_per_expert_reference():
+    num_experts, n, k = 4, 40, 64
+    weights = [_weight(n, k, seed=10 + e) for e in range(num_experts)]
+    packed = torch.stack([p for p, _ in weights])
+    scale = torch.stack([s for _, s in weights])
+    counts = [0, 18, 0, 3]  # empty experts first and in the middle; 18 rows need two 16-row tiles
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    x = torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = triton_kernels.mxfp4_expert_matmul(x, offsets, packed, scale, blocks=(16, 32, 64))
+    for e in range(num_experts):
+        rows = slice(int(offsets[e]), int(offsets[e + 1]))
+        torch.testing.assert_close(y[rows].float(), _reference(x[rows], *weights[e]), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(y, mxfp4.expert_matmul(x, offsets, packed, scale, backend="torch"), rtol=2**-7, atol=0)
+    torch.testing.assert_close(y, mxfp4.expert_matmul(x, offsets, packed, scale, backend="triton"), rtol=0, atol=0)
+
+
+def test_empty_inputs_and_bad_arguments():
+    packed, scale = _weight(32, 64, seed=3)
+    assert triton_kernels.mxfp4_matmul(torch.empty(0, 64, dtype=torch.bfloat16), packed, scale).shape == (0, 32)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        triton_kernels.mxfp4_matmul(torch.ones(2, 32), packed, scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        triton_kernels.mxfp4_matmul(torch.ones(2, 64), packed, scale, blocks=(16, 16, 48))
+    with pytest.raises(ValueError, match=r"expert_offsets \[E\+1\]"):
+        triton_kernels.mxfp4_expert_matmul(torch.ones(2, 64), torch.tensor([0]), packed[None], scale[None])
