@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from .errors import ImageDecodeError, ImageTooLargeError, UnsupportedMediaError
+from .video import refuse_video
 
 # Formats whose decoders Pillow ships and that have unambiguous signatures (JPEG includes MPO). Formats such as EPS
 # (runs Ghostscript) or TGA (no signature: random bytes can "be" a TGA) are left out on purpose.
@@ -211,10 +212,11 @@ def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) ->
         raise ImageDecodeError("image data is empty")
     media = sniff_non_image(data)
     if media is not None:
-        advice = "extract frames and send them as images" if "video" in media else "send an image file"
+        if "video" in media:
+            refuse_video(f"input looks like {media}")
         raise UnsupportedMediaError(
             f"input looks like {media}; Kimi-K3's processor takes still images only "
-            f"(it rejects every other media type): {advice}"
+            "(it rejects every other media type): send an image file"
         )
     with pillow_quiet():
         image = _open(data, limits)
