@@ -195,8 +195,30 @@ def repair_tool_results(messages: Sequence[Any]) -> list[Any]:
 # Segment builder
 
 
+_OPEN_SEGMENT = Segment(OPEN, True)
+_SEP_SEGMENT = Segment(SEP, True)
+_CLOSE_SEGMENT = Segment(CLOSE, True)
+_END_OF_MSG_SEGMENT = Segment(END_OF_MSG, True)
+_EQUALS_QUOTE = Segment('="', False)
+_QUOTE = Segment('"', False)
+# Tag names and attribute keys come from this module only, so caching their segments is bounded.
+_WORDS: dict[str, Segment] = {}
+_CLOSE_TAGS: dict[str, tuple[Segment, ...]] = {}
+
+
+def _word(text: str) -> Segment:
+    segment = _WORDS.get(text)
+    if segment is None:
+        segment = _WORDS[text] = Segment(text, False)
+    return segment
+
+
 class _Builder:
-    """Collects segments; drops empty ones, as the release does."""
+    """Collects segments; drops empty ones, as the release does.
+
+    Fixed pieces (markers, tag names, ` key`, `="`) are shared immutable segments: a 200-message
+    agentic chat is ~10k segments and creating each one anew dominated render time.
+    """
 
     def __init__(self, image_prompts: Sequence[str] | None):
         self.segments: list[Segment] = []
@@ -204,30 +226,32 @@ class _Builder:
         self.images_used = 0
 
     def text(self, text: Any) -> None:
-        text = str(text)
+        if text.__class__ is not str:
+            text = str(text)
         if text:
             self.segments.append(Segment(text, False))
 
-    def control(self, text: str) -> None:
-        self.segments.append(Segment(text, True))
-
     def open(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
-        self.control(OPEN)
-        self.text(tag)
+        append = self.segments.append
+        append(_OPEN_SEGMENT)
+        append(_word(tag))
         for key, value in attrs:
-            self.text(f" {key}")
-            self.text('="')
-            self.text(escape_attr(value))
-            self.text('"')
-        self.control(SEP)
+            append(_word(f" {key}"))
+            append(_EQUALS_QUOTE)
+            value = escape_attr(value)
+            if value:
+                append(Segment(value, False))
+            append(_QUOTE)
+        append(_SEP_SEGMENT)
 
     def close(self, tag: str) -> None:
-        self.control(CLOSE)
-        self.text(tag)
-        self.control(SEP)
+        segments = _CLOSE_TAGS.get(tag)
+        if segments is None:
+            segments = _CLOSE_TAGS[tag] = (_CLOSE_SEGMENT, _word(tag), _SEP_SEGMENT)
+        self.segments.extend(segments)
 
     def end_of_msg(self) -> None:
-        self.control(END_OF_MSG)
+        self.segments.append(_END_OF_MSG_SEGMENT)
 
     def image(self, where: str) -> None:
         if self.image_prompts is None:

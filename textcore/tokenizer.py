@@ -17,6 +17,7 @@ Two behaviours are part of the wire format, not optimisations:
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -86,6 +87,8 @@ PAT_STR = "|".join([
 
 MAX_ENCODE_CHARS = 400_000
 MAX_CONSECUTIVE_CHARS = 25_000
+_SHORT_SEGMENT_CHARS = 64
+_SHORT_SEGMENT_CACHE = 8192
 
 
 class TokenizerError(ValueError):
@@ -113,13 +116,30 @@ def _long_run_pattern(max_run: int) -> re.Pattern[str]:
 _LONG_RUN = _long_run_pattern(MAX_CONSECUTIVE_CHARS)
 
 
+def _run_length_through(text: str, position: int, max_run: int) -> int:
+    """Length of the whitespace / non-whitespace run holding `text[position]`, capped near 2 * max_run + 2."""
+    left = text[max(0, position - max_run - 1):position]
+    right = text[position:position + max_run + 1]
+    if right[0].isspace():
+        return (len(left) - len(left.rstrip())) + (len(right) - len(right.lstrip()))
+    left_len = len(left.rsplit(None, 1)[-1]) if left and not left[-1].isspace() else 0
+    return left_len + len(right.split(None, 1)[0])
+
+
+def _has_long_run(text: str, max_run: int) -> bool:
+    # A run longer than max_run covers a multiple of max_run, so probing those positions finds
+    # every one; each probe is a few C-speed string operations (the common case never scans the
+    # whole text in Python-level regex).
+    return any(_run_length_through(text, p, max_run) > max_run for p in range(0, len(text), max_run))
+
+
 def split_long_runs(text: str, max_run: int = MAX_CONSECUTIVE_CHARS) -> list[str]:
     """Cut `text` so that no piece holds more than `max_run` whitespace (or non-whitespace) chars in a row.
 
     Same cuts as the release: a run longer than `max_run` is cut every `max_run` characters from
     its start; text between long runs is left whole.
     """
-    if len(text) <= max_run:
+    if len(text) <= max_run or not _has_long_run(text, max_run):
         return [text]
     pattern = _LONG_RUN if max_run == MAX_CONSECUTIVE_CHARS else _long_run_pattern(max_run)
     pieces: list[str] = []
@@ -203,6 +223,8 @@ class Tokenizer:
         self.skippable_ids = frozenset(i for i, (_, special) in specials.items() if special)
         self._encoding = tiktoken.Encoding(
             name=name, pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=dict(self.special_ids))
+        self._special_set = frozenset(self.special_ids)
+        self._encode_short_cached = functools.lru_cache(maxsize=_SHORT_SEGMENT_CACHE)(self._encode_short_ordinary)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
@@ -217,19 +239,35 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
         encoding = self._encoding
+        pieces = (text,) if len(text) <= MAX_CONSECUTIVE_CHARS else split_for_encoding(text)
         ids: list[int] = []
-        for piece in split_for_encoding(text):
+        for piece in pieces:
             if allow_special:
-                ids.extend(encoding.encode(piece, allowed_special="all"))
+                ids.extend(encoding.encode(piece, allowed_special=self._special_set, disallowed_special=()))
             else:
                 ids.extend(encoding.encode_ordinary(piece))
         return ids
 
+    def _encode_short_ordinary(self, text: str) -> tuple[int, ...]:
+        return tuple(self._encoding.encode_ordinary(text))
+
     def encode_segments(self, segments: Iterable[Segment | tuple[str, bool]]) -> list[int]:
-        """Encode each segment on its own (BPE never merges across a segment boundary)."""
+        """Encode each segment on its own (BPE never merges across a segment boundary).
+
+        A rendered chat is mostly tiny segments that repeat (markers, tag names, ` role`, `="`), so
+        a marker maps straight to its id and short plain segments go through a bounded cache; the
+        per-call overhead of tiktoken otherwise dominates.
+        """
         ids: list[int] = []
+        special_ids = self.special_ids
+        short = self._encode_short_cached
         for text, special in segments:
-            ids.extend(self.encode(text, allow_special=special))
+            if special and text in special_ids:
+                ids.append(special_ids[text])
+            elif not special and len(text) <= _SHORT_SEGMENT_CHARS and isinstance(text, str):
+                ids.extend(short(text))
+            else:
+                ids.extend(self.encode(text, allow_special=special))
         return ids
 
     def _check_ids(self, ids: Sequence[int]) -> None:
