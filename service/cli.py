@@ -13,9 +13,13 @@ import sys
 
 # name -> (module, one-line help). The help lives here so `kimi-vision --help` imports nothing.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "preprocess": ("service.cmd_preprocess", "size, patch grid, token count and prompt Kimi-K3 makes of each image"),
+    "preview": ("service.cmd_preview", "write the padded model-input image Kimi-K3 sees (optional token grid)"),
     "make-checkpoint": ("service.cmd_make_checkpoint", "write a deterministic random checkpoint in the Kimi-K3 layout"),
     "embed": ("service.cmd_embed", "encode images into Kimi-K3 image embeddings (safetensors)"),
     "render-chat": ("service.cmd_render_chat", "render a chat request into the Kimi-K3 prompt (and token ids)"),
+    "params": ("service.cmd_params", "parameter counts, MXFP4 disk size and cache sizes of a model preset"),
+    "quantize": ("service.cmd_quantize", "convert a bf16 checkpoint to MXFP4 (mxfp4-pack-quantized), K3 ignore list"),
 }
 
 
