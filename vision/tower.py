@@ -145,11 +145,12 @@ class Block(nn.Module):
         q, k, v = self.wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q, k = apply_rope(q, cis), apply_rope(k, cis)
         # Non-causal attention inside each image's span only (what varlen attention with
-        # cu_seqlens computes); one SDPA call per image, heads first.
+        # cu_seqlens computes); one SDPA call per image as [1, heads, n, head_dim] (4-D inputs
+        # get the fused flash kernel on CPU too; 3-D ones fall back to the O(n^2)-memory math path).
         outs = [
             F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
-            ).transpose(0, 1)
+                q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2)
+            )[0].transpose(0, 1)
             for s, e in spans
         ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

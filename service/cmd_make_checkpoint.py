@@ -1,0 +1,32 @@
+"""`kimi-vision make-checkpoint [--preset tiny|k3] [--seed N] DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "write a deterministic random checkpoint in the published Kimi-K3 layout"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="output directory (must not exist or be empty)")
+    parser.add_argument("--preset", default="tiny", help="model sizes: tiny (default) or k3")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty directory", file=sys.stderr)
+        return 2
+    from vision.config import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"error: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}", file=sys.stderr)
+        return 2
+    from service.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(out, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {path}")
+    return 0

@@ -1,0 +1,78 @@
+"""Real preprocessing -> tower: rows == num_tokens for odd sizes; the `kimi-vision embed` CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+import vision
+from service.cli import main as cli_main
+from service.make_checkpoint import make_checkpoint
+from vision.encoder import VisionEncoder
+
+
+def png(w: int, h: int, mode: str = "RGB", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    bands = len(mode)
+    arr = rng.integers(0, 256, (h, w, bands), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if bands == 1 else arr, mode)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory) -> VisionEncoder:
+    return VisionEncoder.from_checkpoint(make_checkpoint(tmp_path_factory.mktemp("emb") / "tiny", "tiny", seed=0))
+
+
+@pytest.mark.parametrize(
+    "w,h,mode", [(225, 223, "RGB"), (1, 1, "RGB"), (29, 57, "RGBA"), (3, 100, "L"), (57, 29, "LA"), (899, 31, "RGB")]
+)
+def test_rows_equal_num_tokens_for_odd_sizes(encoder, w, h, mode):
+    pre = vision.preprocess_image(png(w, h, mode))
+    (out,) = encoder.encode([pre])
+    assert out.shape == (pre.num_tokens, encoder.config.text_hidden_size)
+    assert pre.num_tokens == (pre.grid_thw[1] // 2) * (pre.grid_thw[2] // 2)
+    assert torch.isfinite(out).all()
+
+
+def test_cli_embed_with_embedded_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KIMI_VISION_CACHE", str(tmp_path / "cache"))
+    a, b, bad = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "bad.png"
+    a.write_bytes(png(225, 223, "RGBA", seed=1))
+    b.write_bytes(png(40, 90, "RGB", seed=2))
+    bad.write_bytes(b"not an image")
+    out = tmp_path / "out.safetensors"
+    rc = cli_main(["embed", "--workers", "1", "--out", str(out), str(a), str(b), str(bad), str(a)])
+    captured = capsys.readouterr()
+    assert rc == 2  # one input failed; the others are still written
+    assert f"error: {bad}:" in captured.err
+    assert "building the embedded tiny default checkpoint" in captured.err
+
+    from service.default_checkpoint import default_checkpoint_dir
+
+    reference = VisionEncoder.from_checkpoint(default_checkpoint_dir())
+    with safe_open(out, framework="pt") as f:
+        assert sorted(f.keys()) == sorted([str(a), str(b), f"{a}#2"])
+        meta = json.loads(f.metadata()["kimi_vision"])
+        for key, path in [(str(a), a), (str(b), b), (f"{a}#2", a)]:
+            pre = vision.preprocess_image(path.read_bytes())
+            emb = f.get_tensor(key)
+            assert emb.shape == (pre.num_tokens, 64)
+            assert meta[key] == {"grid_thw": list(pre.grid_thw), "tokens": pre.num_tokens, "prompt": pre.prompt}
+            torch.testing.assert_close(emb, reference.encode([pre])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cli_embed_bad_checkpoint(tmp_path, capsys):
+    img = tmp_path / "a.png"
+    img.write_bytes(png(28, 28))
+    rc = cli_main(["embed", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o.safetensors"), str(img)])
+    assert rc == 2
+    assert "checkpoint directory not found" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""EncoderPool: real worker processes on this machine (tiny model, 1 thread per worker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from service.make_checkpoint import make_checkpoint
+from vision.checkpoint import CheckpointError
+from vision.encoder import VisionEncoder
+from vision.pool import EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
+
+
+def image(h: int, w: int, seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-1, 1, (h * w, 3, 14, 14)).astype(np.float32), (1, h, w)
+
+
+ITEMS = [image(h, w, i) for i, (h, w) in enumerate([(4, 6), (64, 64), (10, 2), (2, 2), (30, 40), (2, 50)])]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("pool") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    torch.set_num_threads(1)
+    try:
+        return VisionEncoder.from_checkpoint(ckpt).encode(ITEMS)
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="module")
+def pool2(ckpt):
+    with EncoderPool(ckpt, workers=2, threads_per_worker=1) as pool:
+        yield pool
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_two_workers_equal_one_worker_and_in_process(ckpt, pool2, reference):
+    with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool1:
+        one = pool1.encode(ITEMS)
+        pids = [w["pid"] for w in pool1.health()["workers"]]
+    two = pool2.encode(ITEMS)
+    for a, b, r, (_, (_, h, w)) in zip(one, two, reference, ITEMS, strict=True):
+        assert a.shape == b.shape == ((h // 2) * (w // 2), 64) and a.device.type == "cpu"
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
+    assert not any(alive(p) for p in pids)  # close() reaped the worker
+    pool1.close()  # idempotent
+    assert pool1.health()["serving"] is False
+    with pytest.raises(PoolClosedError):
+        pool1.submit(ITEMS[0])
+
+
+def test_least_outstanding_patches_scheduling(pool2, reference):
+    pids = [w["pid"] for w in pool2.health()["workers"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # freeze both so the queue state is observable
+    try:
+        big = pool2.submit(ITEMS[1])  # 4096 patches -> worker 0 (tie broken by index)
+        small = [pool2.submit(ITEMS[i]) for i in (0, 2, 3)]  # all fit on worker 1 (< 4096 patches)
+        workers = pool2.health()["workers"]
+        assert [w["outstanding_patches"] for w in workers] == [4096, 24 + 20 + 4]
+        assert [w["inflight"] for w in workers] == [1, 3]
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    torch.testing.assert_close(big.result(30), reference[1], rtol=1e-5, atol=1e-5)
+    for f, i in zip(small, (0, 2, 3), strict=True):
+        torch.testing.assert_close(f.result(30), reference[i], rtol=1e-5, atol=1e-5)
+    assert [w["outstanding_patches"] for w in pool2.health()["workers"]] == [0, 0]
+
+
+def test_killed_worker_fails_only_its_request_and_pool_keeps_serving(pool2, reference):
+    victim = pool2.health()["workers"][0]["pid"]
+    os.kill(victim, signal.SIGSTOP)  # it holds the request when it dies, deterministically
+    doomed = pool2.submit(ITEMS[1])  # -> worker 0
+    survivor = pool2.submit(ITEMS[4])  # -> worker 1
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=r"worker 0 .*died \(signal 9\)") as e:
+        doomed.result(30)
+    assert e.value.retryable
+    torch.testing.assert_close(survivor.result(30), reference[4], rtol=1e-5, atol=1e-5)
+    # Keeps serving right away, and the dead worker comes back.
+    torch.testing.assert_close(pool2.submit(ITEMS[0]).result(30), reference[0], rtol=1e-5, atol=1e-5)
+    deadline = time.monotonic() + 60
+    while not all(w["ready"] for w in pool2.health()["workers"]):
+        assert time.monotonic() < deadline, pool2.health()
+        time.sleep(0.05)
+    health = pool2.health()
+    assert health["serving"] and health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != victim
+    assert not alive(victim)
+    for out, ref in zip(pool2.encode(ITEMS), reference, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_raises_in_caller(pool2):
+    pixels, _ = ITEMS[0]
+    with pytest.raises(ValueError, match="do not match grid_thw"):
+        pool2.submit((pixels, (1, 4, 4)))
+    with pytest.raises(ValueError, match="multiple of the 2x2 merger"):
+        pool2.submit((pixels[:15], (1, 3, 5)))
+
+
+def test_bad_checkpoint_fails_fast(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        EncoderPool(tmp_path / "missing", workers=1)
+
+
+def test_resolve_devices():
+    assert resolve_devices(None, 3) == ["cpu"] * 3
+    assert resolve_devices("cpu:2") == ["cpu", "cpu"]
+    assert resolve_devices("cpu") == ["cpu"]
+    with pytest.raises(ValueError, match="cpu:N"):
+        resolve_devices("cpu:0")
+    with pytest.raises(ValueError, match="use auto, cpu:N or cuda"):
+        resolve_devices("tpu:1")
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        resolve_devices(None, 0)
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="do not exist here"):
+            resolve_devices("cuda:0,1")
+        assert resolve_devices("auto") == ["cpu"]
