@@ -26,6 +26,7 @@ Rules (the release's `build_chat_segments`, plus `thinking_effort` defaulting to
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -213,6 +214,16 @@ def _word(text: str) -> Segment:
     return segment
 
 
+@functools.lru_cache(maxsize=4096)
+def _open_tag(tag: str, attrs: tuple[tuple[str, str], ...]) -> tuple[Segment, ...]:
+    """`<|open|>tag key="value"...<|sep|>` as segments (values already escaped); headers repeat a lot."""
+    segments = [_OPEN_SEGMENT, _word(tag)]
+    for key, value in attrs:
+        segments += [_word(f" {key}"), _EQUALS_QUOTE] + ([Segment(value, False)] if value else []) + [_QUOTE]
+    segments.append(_SEP_SEGMENT)
+    return tuple(segments)
+
+
 class _Builder:
     """Collects segments; drops empty ones, as the release does.
 
@@ -232,17 +243,7 @@ class _Builder:
             self.segments.append(Segment(text, False))
 
     def open(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
-        append = self.segments.append
-        append(_OPEN_SEGMENT)
-        append(_word(tag))
-        for key, value in attrs:
-            append(_word(f" {key}"))
-            append(_EQUALS_QUOTE)
-            value = escape_attr(value)
-            if value:
-                append(Segment(value, False))
-            append(_QUOTE)
-        append(_SEP_SEGMENT)
+        self.segments.extend(_open_tag(tag, tuple((key, escape_attr(value)) for key, value in attrs)))
 
     def close(self, tag: str) -> None:
         segments = _CLOSE_TAGS.get(tag)
