@@ -232,3 +232,12 @@ def test_render_chat_cli_prints_text_and_ids(tmp_path):
     bad = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("render-chat: thinking_effort must be one of")
     assert "Traceback" not in bad.stderr
+
+
+def test_long_attribute_values_render_like_short_ones():
+    name = 'a&"b' * 300  # past the header cache's size bound
+    segments = render([{"role": "user", "name": name, "content": "x"}], thinking_effort=None)
+    assert segments[:10] == [Segment("<|open|>", True), Segment("message", False), Segment(" role", False),
+                             Segment('="', False), Segment("user", False), Segment('"', False),
+                             Segment(" name", False), Segment('="', False),
+                             Segment("a&amp;&quot;b" * 300, False), Segment('"', False)]

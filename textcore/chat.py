@@ -243,7 +243,10 @@ class _Builder:
             self.segments.append(Segment(text, False))
 
     def open(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
-        self.segments.extend(_open_tag(tag, tuple((key, escape_attr(value)) for key, value in attrs)))
+        escaped = tuple((key, escape_attr(value)) for key, value in attrs)
+        # Only short headers go through the cache, so caller-sized values cannot pin memory.
+        build = _open_tag if sum(len(value) for _, value in escaped) <= 256 else _open_tag.__wrapped__
+        self.segments.extend(build(tag, escaped))
 
     def close(self, tag: str) -> None:
         segments = _CLOSE_TAGS.get(tag)
