@@ -135,14 +135,15 @@ def test_default_effort_is_max_and_none_turns_it_off():
     assert "thinking-effort" not in render_text(chat, thinking_effort=None)
     assert "`thinking_effort=low`" in render_text(chat, reasoning_effort="low")
     assert "`thinking_effort=high`" in render_text(chat, reasoning_effort="low", thinking_effort="high")
+    assert "`thinking_effort=low`" in render_text(chat, reasoning_effort="low", thinking_effort=None)
     off = render_text(chat, reasoning_effort="none")
     assert "thinking-effort" not in off and off.endswith("<|open|>response<|sep|>")
     assert render_text(chat, enable_thinking=False) == off
     for bad in ("medium", "MAX", ""):
         with pytest.raises(ChatError, match="thinking_effort must be one of low, high, max"):
             render(chat, thinking_effort=bad)
-    with pytest.raises(ChatError, match="reasoning_effort"):
-        render(chat, reasoning_effort="extreme")
+    with pytest.raises(ChatError, match="reasoning_effort must be one of none, low, high, max"):
+        render(chat, reasoning_effort="extreme", thinking_effort="max")
 
 
 def test_every_assistant_turn_has_a_think_element():

@@ -17,7 +17,7 @@ Rules (the release's `build_chat_segments`, plus `thinking_effort` defaulting to
 - then a `thinking-effort` system message when thinking is on and an effort is set;
 - a system message carrying `tools` declares them dynamically (its content is not rendered);
 - an assistant turn always has a `think` element in thinking mode, then `response`, then its
-  tool calls with typed arguments (a string argument string that is not JSON is kept whole in a
+  tool calls with typed arguments (an arguments string that is not JSON is kept whole in a
   `json` element);
 - tool results are repaired (see `repair_tool_results`) and numbered per assistant turn;
 - `tool_choice` ("required"/"none") and `response_format` become typed system messages after the
@@ -382,13 +382,13 @@ def _resolve_thinking(thinking: Any, enable_thinking: Any, reasoning_effort: Any
         thinking = True if enable_thinking is None else enable_thinking
     if not isinstance(thinking, bool):
         raise ChatError(f"thinking must be true or false, got {thinking!r}")
+    if reasoning_effort is not None and reasoning_effort != "none" and reasoning_effort not in THINKING_EFFORTS:
+        raise ChatError(f"reasoning_effort must be one of none, {', '.join(THINKING_EFFORTS)}; "
+                        f"got {reasoning_effort!r}")
     if reasoning_effort == "none":
         thinking = False
-    elif reasoning_effort is not None and thinking_effort is _UNSET:
-        thinking_effort = reasoning_effort
-        if thinking_effort not in THINKING_EFFORTS:
-            raise ChatError(f"reasoning_effort must be one of none, {', '.join(THINKING_EFFORTS)}; "
-                            f"got {reasoning_effort!r}")
+    elif reasoning_effort is not None and thinking_effort in (_UNSET, None):
+        thinking_effort = reasoning_effort  # the OpenAI name fills in an unset thinking_effort
     if thinking_effort is _UNSET:
         thinking_effort = DEFAULT_THINKING_EFFORT
     if thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
