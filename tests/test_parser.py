@@ -184,3 +184,16 @@ def test_multibyte_characters_split_across_tokens(tok):
 def test_ids_outside_the_vocabulary_are_refused(tok):
     with pytest.raises(TokenizerError):
         p.StreamParser(tok).feed([tok.num_base_tokens + 5])
+
+
+def test_stopping_inside_a_call_settles_it(tok):
+    ids = tok.encode('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+                     '<|open|>argument key="a" type="number"<|sep|>1<|close|>argument<|sep|>'
+                     '<|open|>argument key="b" type="string"<|sep|>half<|end_of_msg|>', allow_special=True)
+    parser = p.StreamParser(tok)
+    events = parser.feed(ids)
+    assert [type(e).__name__ for e in events[-3:]] == ["ToolArgumentError", "ToolCallEnd", "Stop"]
+    result = parser.finish()
+    assert result["stopped"] and result["tool_calls"][0]["arguments"] == {"a": 1}
+    assert [e["message"] for e in result["tool_calls"][0]["errors"]] == ["the argument was not closed",
+                                                                         "the call was not closed"]

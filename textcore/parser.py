@@ -145,6 +145,8 @@ class _Element:
 
 
 _TEXT, _OPEN_HEADER, _CLOSE_HEADER, _DONE = range(4)
+# The elements a model may open inside each element of an assistant turn.
+_CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",), "call": ("argument", "json")}
 
 
 class StreamParser:
@@ -213,6 +215,7 @@ class StreamParser:
 
     def _stop(self, token_id: int) -> None:
         self._end_text()
+        self._settle_open_calls()
         self._mode = _DONE
         self._stopped = True
         self._events.append(Stop(token_id))
@@ -267,8 +270,7 @@ class StreamParser:
         tag = match.group(1)
         attrs = {key: unescape_attr(value) for key, value in _ATTR.findall(match.group(2))}
         parent = self._stack[-1].tag if self._stack else None
-        allowed = {"message": ("think", "response", "tools"), "tools": ("call",), "call": ("argument", "json")}
-        if tag not in allowed.get(parent or "", ()):
+        if tag not in _CHILDREN.get(parent or "", ()):
             self._error(f"element {tag!r} is not expected inside {parent or 'nothing (the message is closed)'}")
             self._stack.append(_Element(tag))
             return
@@ -343,6 +345,11 @@ class StreamParser:
             call.arguments[element.key] = value
         self._events.append(ToolArgumentDone(call.index, element.key, element.type, value))
 
+    def _settle_open_calls(self) -> None:
+        """The turn ended inside a call: report its open argument and end the call (innermost first)."""
+        while self._stack and self._stack[-1].call is not None:
+            self._finish_element(self._stack.pop(), complete=False)
+
     def _error(self, message: str) -> None:
         self._events.append(ProtocolError(message))
 
@@ -360,10 +367,7 @@ class StreamParser:
             if self._mode != _TEXT:
                 self._error("output ended inside an element header")
             self._end_text()
-            while self._stack:
-                element = self._stack.pop()
-                if element.call is not None:
-                    self._finish_element(element, complete=False)
+            self._settle_open_calls()
         self._closed = True
         return self._take_events()
 
