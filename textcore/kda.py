@@ -139,6 +139,22 @@ def chunk_kda(
     return o, (S if output_final_state else None)
 
 
+class Linear(nn.Linear):
+    """A bias-free nn.Linear created uninitialised: every trunk weight is loaded (checkpoint or
+    `random_weights`), and initialising the K3's quarter-million expert layers, even on the meta
+    device, would cost seconds for nothing."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype | None = None) -> nn.Linear:
+    return Linear(in_features, out_features, dtype)
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
@@ -150,10 +166,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -162,10 +178,10 @@ class RMSNorm(nn.Module):
 class ShortConv(nn.Module):
     """Depthwise causal conv (no bias, fp32 weight `[C, 1, kernel]` as in nn.Conv1d), then SiLU."""
 
-    def __init__(self, channels: int, kernel: int, device=None):
+    def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
-        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32, device=device))
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[B, T, C]`; state: the previous kernel-1 inputs `[B, C, kernel-1]` (zeros at the start).
@@ -190,7 +206,7 @@ class KDACache:
 class KimiDeltaAttention(nn.Module):
     """One KDA layer (tensor names as in the published checkpoint's `self_attn.*`)."""
 
-    def __init__(self, cfg, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, cfg, dtype: torch.dtype | None = None):
         super().__init__()
         H, D, hidden = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
         proj = H * D
@@ -199,18 +215,18 @@ class KimiDeltaAttention(nn.Module):
         self.norm_eps = cfg.rms_norm_eps
 
         def lin(i, o):
-            return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+            return linear(i, o, dtype)
 
         self.q_proj, self.k_proj, self.v_proj = lin(hidden, proj), lin(hidden, proj), lin(hidden, proj)
-        self.q_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
-        self.k_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
-        self.v_conv1d = ShortConv(proj, cfg.short_conv_kernel_size, device)
+        self.q_conv1d = ShortConv(proj, cfg.short_conv_kernel_size)
+        self.k_conv1d = ShortConv(proj, cfg.short_conv_kernel_size)
+        self.v_conv1d = ShortConv(proj, cfg.short_conv_kernel_size)
         self.f_a_proj, self.f_b_proj = lin(hidden, D), lin(D, proj)
-        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
-        self.dt_bias = nn.Parameter(torch.zeros(proj, dtype=torch.float32, device=device))
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(proj, dtype=torch.float32))
         self.b_proj = lin(hidden, H)
         self.g_proj = lin(hidden, proj)  # full-rank output gate
-        self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.o_proj = lin(proj, hidden)
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None,

@@ -1,0 +1,251 @@
+"""KimiLinear trunk: layer kinds, decode == full forward, padding, fp8 cache, router, SiTU, MoE
+grouping, Attention Residuals, checkpoint round trips (multimodal, text-only, MXFP4)."""
+
+import logging
+
+import pytest
+import torch
+
+from textcore import mla
+from textcore.attnres import AttnResStream, depth_mix
+from textcore.config import TextConfig, k3, tiny
+from textcore.kda import RMSNorm
+from textcore.model import KimiLinearForCausalLM, ResProj, random_weights
+from textcore.moe import Expert, LatentMoE, Router, situ
+from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
+
+SEED = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on a CPU shared by many processes: extra threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return KimiLinearForCausalLM.random(tiny(), seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 163840, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def full_logits(model, ids):
+    return model(ids)
+
+
+def test_layer_kinds_follow_the_one_based_lists():
+    cfg = k3()
+    mla_layers = [i for i in range(93) if not cfg.is_kda(i)]
+    assert mla_layers == [*range(3, 92, 4), 92]
+    assert len(cfg.kda_layers) == 69 and len(mla_layers) == 24
+    assert cfg.is_kda(0) and not cfg.is_moe(0) and cfg.is_moe(1)
+    t = tiny()
+    kinds = {t.is_kda(i) for i in range(t.num_hidden_layers)}
+    assert kinds == {True, False}
+    assert t.num_hidden_layers > 2 * t.attn_res_block_size  # the stack crosses AttnRes block boundaries
+    assert TextConfig.from_dict(cfg.to_dict()) == cfg
+    assert TextConfig.from_dict({"text_config": t.to_dict()}) == t
+
+
+def test_incremental_decode_matches_full_forward(model, ids, full_logits):
+    """Prefill 4 tokens, then decode one at a time through every KDA and MLA layer (chunked vs
+    recurrent KDA, expanded vs absorbed MLA) and all three AttnRes blocks."""
+    cache = model.new_cache(2)
+    steps = [model(ids[:, :4], cache=cache)]
+    steps += [model(ids[:, t:t + 1], cache=cache) for t in range(4, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full_logits, atol=1e-4, rtol=0)
+    assert cache.length == ids.shape[1]
+
+
+def test_left_padding_changes_nothing(model, ids, full_logits):
+    short = ids[1, 5:]
+    padded = torch.stack([ids[0], torch.cat([torch.zeros(5, dtype=torch.long), short])])
+    pad = torch.zeros(2, ids.shape[1], dtype=torch.bool)
+    pad[1, :5] = True
+    cache = model.new_cache(2)
+    out = model(padded, cache=cache, pad_mask=pad)
+    alone = model(short[None])
+    torch.testing.assert_close(out[1, 5:], alone[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[0], full_logits[0], atol=1e-4, rtol=0)
+    nxt = torch.tensor([[7], [9]])
+    step = model(nxt, cache=cache)
+    alone_step = model(torch.cat([short, nxt[1]])[None])[:, -1]
+    torch.testing.assert_close(step[1, 0], alone_step[0], atol=1e-4, rtol=0)
+
+
+def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, monkeypatch):
+    """Stated tolerance, per MLA layer: e4m3 keeps 3 mantissa bits (<= 6.25% relative error per
+    latent value, scale 1.0), so the layer output through an fp8 cache stays within 5% (relative
+    Frobenius norm) of the exact one. (Whole-model logits are not a fair yardstick for a random
+    tiny model: a small perturbation can flip a top-k routing decision.)"""
+    monkeypatch.setattr(mla, "_warned_fp8", False)
+    with caplog.at_level(logging.WARNING, logger="textcore.mla"):
+        cache = model.new_cache(2, latent_dtype=torch.float8_e4m3fn)
+        model.new_cache(2, latent_dtype=torch.float8_e4m3fn)
+    assert sum("no KV cache scales" in r.message for r in caplog.records) == 1
+    layer = model.model.layers[2].self_attn
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2))
+    exact = layer(x)
+    entry = cache.layers[2]
+    steps = [layer(x[:, :4], entry)] + [layer(x[:, t:t + 1], entry) for t in range(4, 9)]
+    err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
+    assert entry.latent.dtype == torch.float8_e4m3fn
+    assert 0 < err <= 0.05
+    # and the whole model runs on an fp8 cache
+    assert torch.isfinite(model(ids, cache=model.new_cache(2, latent_dtype=torch.float8_e4m3fn))).all()
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        model.new_cache(1, latent_dtype=torch.float16)
+
+
+def test_router_selects_with_bias_but_weights_without():
+    cfg = tiny()
+    router = Router(4, cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8, 4) * 4)  # token [1,0,0,0]: expert 0 scores high, others 0.5
+        router.e_score_correction_bias.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 0, 10.0]))
+    ids, w = router(torch.tensor([[1.0, 0, 0, 0]]))
+    assert sorted(ids[0].tolist()) == [0, 7]  # expert 7 only wins through its bias
+    s0, s7 = torch.sigmoid(torch.tensor(4.0)), torch.tensor(0.5)
+    expected = torch.stack([s0, s7]) / (s0 + s7)
+    got = dict(zip(ids[0].tolist(), w[0].tolist(), strict=True))
+    assert got[0] == pytest.approx(expected[0].item(), abs=1e-6)
+    assert got[7] == pytest.approx(expected[1].item(), abs=1e-6)
+    assert w.dtype == torch.float32
+
+
+def test_situ_formula_in_fp32():
+    g = torch.tensor([-30.0, -1.0, 0.0, 2.0, 50.0], dtype=torch.bfloat16)
+    u = torch.tensor([100.0, -3.0, 1.0, 0.5, -60.0], dtype=torch.bfloat16)
+    gf, uf = g.float(), u.float()
+    ref = 4 * torch.tanh(gf / 4) * torch.sigmoid(gf) * 25 * torch.tanh(uf / 25)
+    out = situ(g, u)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.to(torch.bfloat16), atol=0, rtol=0)
+
+
+def test_latent_moe_grouped_experts_equal_per_token_reference(model):
+    moe: LatentMoE = model.model.layers[1].block_sparse_moe
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    ids, w = moe.gate(x)
+    z = moe.routed_expert_down_proj(x)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = sum(w[t, s] * moe.experts[int(ids[t, s])](z[t]) for s in range(ids.shape[1]))
+        rows.append(acc)
+    ref = moe.routed_expert_up_proj(moe.routed_expert_norm(torch.stack(rows))) + moe.shared_experts(x)
+    torch.testing.assert_close(moe(x), ref, atol=1e-5, rtol=1e-5)
+    assert isinstance(moe.experts[3], Expert)
+    names = dict(moe.named_parameters())
+    assert {"experts.3.w1.weight", "experts.3.w2.weight", "experts.3.w3.weight", "gate.weight",
+            "gate.e_score_correction_bias"} <= set(names)
+
+
+def test_attnres_k3_checkpoints_and_sources_without_allocating():
+    """Drive the real stream state machine over the K3's 93 layers with meta tensors."""
+    cfg = k3()
+    x = torch.empty(1, 1, cfg.hidden_size, device="meta")
+    stream = AttnResStream(x, cfg.attn_res_block_size)
+    sources_at = []
+    for i in range(cfg.num_hidden_layers):
+        stream.begin_layer(i)
+        sources_at.append(len(stream.sources()))
+        stream.add(x)  # attention
+        stream.add(x)  # FFN
+    assert len(stream.checkpoints) == 8
+    assert len(stream.sources()) == 9
+    assert sources_at[0] == 1 and sources_at[1] == 2 and sources_at[12] == 2 and sources_at[13] == 3
+
+
+def test_depth_mix_formula():
+    gen = torch.Generator().manual_seed(5)
+    norm, proj = RMSNorm(16, 1e-5), ResProj(16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+        proj.weight.copy_(torch.randn(1, 16, generator=gen))
+    sources = [torch.randn(3, 16, generator=gen) * s for s in (1.0, 5.0, 0.2)]
+    scores = torch.stack([(norm(v) * proj.weight[0]).sum(-1) for v in sources])  # <RMSNorm(v), w*p>
+    ref = (torch.softmax(scores, 0)[..., None] * torch.stack(sources)).sum(0)  # over un-normalised v
+    torch.testing.assert_close(depth_mix(sources, norm, proj), ref, atol=1e-5, rtol=1e-5)
+    assert depth_mix(sources[:1], norm, proj) is sources[0]
+
+
+def test_checkpoint_round_trip_multimodal_and_text_only(tmp_path, model, ids, full_logits):
+    cfg = tiny()
+    mm = tmp_path / "mm"
+    write_checkpoint(mm, random_weights(cfg, SEED, dtype=torch.float32),
+                     {"model_type": "kimi_k3", "text_config": cfg.to_dict()}, max_shard_bytes=40 * 2**20)
+    loaded = KimiLinearForCausalLM.from_checkpoint(mm, dtype=torch.float32)
+    torch.testing.assert_close(loaded(ids), full_logits, atol=0, rtol=0)
+    text = tmp_path / "text"
+    write_checkpoint(text, random_weights(cfg, SEED, dtype=torch.float32, prefix=""), cfg.to_dict())
+    alone = KimiLinearForCausalLM.from_checkpoint(Checkpoint(text), dtype=torch.float32)
+    torch.testing.assert_close(alone(ids), full_logits, atol=0, rtol=0)
+    assert alone.model.layers[0].self_attn.A_log.dtype == torch.float32
+
+    weights = random_weights(cfg, SEED, dtype=torch.float32, prefix="")
+    del weights["model.layers.2.self_attn.kv_b_proj.weight"]
+    broken = tmp_path / "broken"
+    write_checkpoint(broken, weights, cfg.to_dict())
+    with pytest.raises(CheckpointError, match="model.layers.2.self_attn.kv_b_proj.weight"):
+        KimiLinearForCausalLM.from_checkpoint(broken)
+
+
+def test_random_weights_use_published_names():
+    names = set(random_weights(tiny(), 0))
+    for expected in [
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.output_attn_res_proj.weight",
+        "language_model.model.layers.0.mlp.gate_proj.weight",
+        "language_model.model.layers.0.self_attn.q_conv1d.weight",
+        "language_model.model.layers.0.self_attn.f_b_proj.weight",
+        "language_model.model.layers.1.block_sparse_moe.experts.7.w2.weight",
+        "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
+        "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj.weight",
+        "language_model.model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+        "language_model.model.layers.2.self_attn.g_proj.weight",
+        "language_model.model.layers.2.mlp_res_norm.weight",
+    ]:
+        assert expected in names, expected
+
+
+def test_mxfp4_checkpoint_loads_packed_experts(tmp_path, model, ids, full_logits):
+    from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, MXFP4Linear, quantize_tensors
+
+    cfg = tiny()
+    weights = random_weights(cfg, SEED, dtype=torch.float32)
+    linear = {f"language_model.{n}" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed = quantize_tensors(weights, K3_QUANTIZATION_CONFIG, linear_modules=linear)
+    # the published checkpoint packs only the routed experts: keep the latent projections unpacked
+    for name in list(packed):
+        if "routed_expert_" in name and name.endswith(("weight_packed", "weight_scale")):
+            del packed[name]
+            base = name.rsplit(".", 1)[0] + ".weight"
+            packed[base] = weights[base]
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in packed
+    text_cfg = {**cfg.to_dict(), "quantization_config": K3_QUANTIZATION_CONFIG}
+    write_checkpoint(tmp_path, packed, {"text_config": text_cfg})
+    q = KimiLinearForCausalLM.from_checkpoint(tmp_path, dtype=torch.float32)
+    moe = q.model.layers[1].block_sparse_moe
+    assert isinstance(moe.experts[0].w1, MXFP4Linear)
+    assert not isinstance(moe.routed_expert_down_proj, MXFP4Linear)
+    assert not isinstance(q.model.layers[1].self_attn.q_proj, MXFP4Linear)
+    # the same model with the experts' weights dequantised gives the same logits
+    from textcore.mxfp4 import dequantize
+
+    plain = dict(weights)
+    for name in packed:
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            plain[base] = dequantize(packed[name], packed[base.replace("weight", "weight_scale")], torch.float32)
+    reference = KimiLinearForCausalLM(cfg)
+    reference.load_state_dict({k[len("language_model."):]: v for k, v in plain.items()}, strict=True, assign=True)
+    torch.testing.assert_close(q(ids), reference(ids), atol=1e-3, rtol=1e-3)

@@ -1,0 +1,245 @@
+"""KimiLinear text trunk: `KimiLinearModel` and `KimiLinearForCausalLM`.
+
+Forward, top to bottom: embed -> for each layer [AttnRes mix -> input RMSNorm -> KDA or gated MLA
+-> add to the stream; AttnRes mix -> post-attention RMSNorm -> dense SiTU FFN (layer 0) or Latent
+MoE -> add] -> output AttnRes mix -> RMSNorm -> lm_head.
+
+Module names equal the published checkpoint names (prefix `language_model.` in the multimodal
+layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoint keys:
+
+    model.embed_tokens.weight                         lm_head.weight
+    model.norm.weight                                 model.output_attn_res_{norm,proj}.weight
+    model.layers.{i}.input_layernorm.weight           model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.self_attention_res_{norm,proj}.weight, model.layers.{i}.mlp_res_{norm,proj}.weight
+    KDA  model.layers.{i}.self_attn.{q,k,v,g,b,f_a,f_b,o}_proj.weight, {q,k,v}_conv1d.weight,
+         A_log, dt_bias, o_norm.weight
+    MLA  model.layers.{i}.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+         kv_a_layernorm, kv_b_proj, g_proj, o_proj}.weight
+    FFN  model.layers.0.mlp.{gate,up,down}_proj.weight
+    MoE  model.layers.{i}.block_sparse_moe.{gate.weight, gate.e_score_correction_bias,
+         experts.{e}.{w1,w2,w3}.weight (or .weight_packed/.weight_scale), routed_expert_down_proj,
+         routed_expert_norm, routed_expert_up_proj, shared_experts.{gate,up,down}_proj}
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from textcore.attnres import AttnResStream
+from textcore.config import TextConfig
+from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
+from textcore.mla import GatedMLA, MLACache
+from textcore.moe import LatentMoE, SiTUMLP
+
+MULTIMODAL_PREFIX = "language_model."
+
+
+class ResProj(nn.Module):
+    """An AttnRes score vector, `weight` [1, hidden]. Not an nn.Linear: it is only ever dotted with
+    normalised sources, and the checkpoint keeps it unquantised."""
+
+    def __init__(self, hidden: int, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+
+
+class Embedding(nn.Embedding):
+    """Created uninitialised (it is always loaded), like `textcore.kda.Linear`."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class TrunkCache:
+    """Decode state for a batch: per KDA layer conv + recurrent state, per MLA layer the latents."""
+
+    def __init__(self, cfg: TextConfig, batch: int, latent_dtype: torch.dtype | None = None):
+        self.batch = batch
+        self.layers: list[KDACache | MLACache] = [
+            KDACache() if cfg.is_kda(i) else MLACache(latent_dtype) for i in range(cfg.num_hidden_layers)
+        ]
+        self.length = 0  # tokens seen per sequence (including left padding)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, index: int, dtype=None):
+        super().__init__()
+        self.index = index
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = KimiDeltaAttention(cfg, dtype) if cfg.is_kda(index) else GatedMLA(cfg, dtype)
+        if cfg.is_moe(index):
+            self.block_sparse_moe = LatentMoE(cfg, dtype)
+        else:
+            self.mlp = SiTUMLP(hidden, cfg.intermediate_size, cfg, dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype)
+        self.self_attention_res_norm = RMSNorm(hidden, eps, dtype=dtype)
+        self.self_attention_res_proj = ResProj(hidden, dtype)
+        self.mlp_res_norm = RMSNorm(hidden, eps, dtype=dtype)
+        self.mlp_res_proj = ResProj(hidden, dtype)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, stream: AttnResStream, cache, pad_mask: torch.Tensor | None) -> None:
+        stream.begin_layer(self.index)
+        h = stream.mix(self.self_attention_res_norm, self.self_attention_res_proj)
+        stream.add(self.self_attn(self.input_layernorm(h), cache, pad_mask))
+        h = stream.mix(self.mlp_res_norm, self.mlp_res_proj)
+        stream.add(self.ffn(self.post_attention_layernorm(h)))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.output_attn_res_proj = ResProj(cfg.hidden_size, dtype)
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: TrunkCache | None = None,
+                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        stream = AttnResStream(inputs_embeds, self.cfg.attn_res_block_size)
+        for i, layer in enumerate(self.layers):
+            layer(stream, cache.layers[i] if cache is not None else None, pad_mask)
+        return self.norm(stream.mix(self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = KimiLinearModel(cfg, dtype)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype if hasattr(self.lm_head, "weight") else self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); "
+                             f"got {int(ids.min())}..{int(ids.max())}")
+        return self.model.embed_tokens(ids)
+
+    def new_cache(self, batch: int, latent_dtype: torch.dtype | None = None) -> TrunkCache:
+        """latent_dtype torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
+        return TrunkCache(self.cfg, batch, latent_dtype)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                cache: TrunkCache | None = None, pad_mask: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits `[B, T, vocab]` (fp32), or `[B, vocab]` for the last position with last_only.
+
+        Exactly one of input_ids `[B, T]` / inputs_embeds `[B, T, hidden]`. With a cache the tokens
+        continue the cached sequences. pad_mask `[B, T]` marks left padding (batched prompts of
+        different lengths): padded positions change no state and are never attended.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.embed_tokens(input_ids) if input_ids is not None else inputs_embeds
+        if x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"inputs must be [B, T, {self.cfg.hidden_size}] embeddings or [B, T] ids; "
+                             f"got {tuple(x.shape)}")
+        if cache is not None and cache.batch != x.shape[0]:
+            raise ValueError(f"cache is for batch {cache.batch}, inputs have batch {x.shape[0]}")
+        if pad_mask is not None and pad_mask.shape != x.shape[:2]:
+            raise ValueError(f"pad_mask must be [B, T] = {list(x.shape[:2])}; got {list(pad_mask.shape)}")
+        h = self.model(x.to(self.dtype), cache, pad_mask)
+        if cache is not None:
+            cache.length += x.shape[1]
+        if last_only:
+            h = h[:, -1]
+        return self.lm_head(h).float()
+
+    # ---- checkpoints ----
+    @classmethod
+    def from_checkpoint(cls, src, dtype: torch.dtype = torch.bfloat16,
+                        device: str | torch.device = "cpu") -> KimiLinearForCausalLM:
+        """Load from a checkpoint directory (or `vision.checkpoint.Checkpoint`): the multimodal layout
+        (`text_config`, tensors under `language_model.`) or a text-only one (its config.json is the
+        text config, tensors unprefixed). Built on the meta device, so weights are read once."""
+        from vision.checkpoint import Checkpoint, CheckpointError
+
+        ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
+        multimodal = "text_config" in ck.config
+        text = ck.config["text_config"] if multimodal else ck.config
+        prefix = MULTIMODAL_PREFIX if multimodal else ""
+        try:
+            cfg = TextConfig.from_dict(text)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{ck.path}: bad text config: {e}") from None
+        quant = text.get("quantization_config") or ck.config.get("quantization_config")
+        with torch.device("meta"):
+            model = cls(cfg, dtype=dtype)
+        if quant:
+            _apply_quantization(model, quant, prefix, ck)
+        ck.load_into(model, prefix)
+        return model.to(device).eval()
+
+    @classmethod
+    def random(cls, cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> KimiLinearForCausalLM:
+        """A model with `random_weights` (for tests and benchmarks)."""
+        with torch.device("meta"):
+            model = cls(cfg, dtype=dtype)
+        weights = random_weights(cfg, seed, dtype=dtype, prefix="")
+        model.load_state_dict(weights, strict=True, assign=True)
+        return model.eval()
+
+
+def _apply_quantization(model: nn.Module, quant: dict, prefix: str, ck) -> None:
+    """Swap the Linears the config targets for MXFP4Linear, except those the checkpoint itself
+    stores unpacked (`X.weight` without `X.weight_packed`): the checkpoint's tensors are the truth
+    (the published one packs only the routed experts although the regexes also reach e.g. the
+    latent projections). Anything packed but not targeted fails the strict load with its name."""
+    from textcore.mxfp4 import apply_quantization_config
+
+    present = set(ck.names(prefix))
+    unpacked = [
+        prefix + name for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and prefix + name + ".weight" in present
+        and prefix + name + ".weight_packed" not in present
+    ]
+    effective = dict(quant)
+    effective["ignore"] = list(quant.get("ignore") or []) + unpacked
+    apply_quantization_config(model, effective, prefix)
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Deterministic weights in the ranges the trained model's tensors live in."""
+    leaf = name.rsplit(".", 2)[-2:]
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.0, 2.5, generator=gen)  # exp(A_log) in [1, 12]
+    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if "conv1d" in name:
+        return 0.5 * torch.randn(shape, generator=gen)
+    if "norm" in leaf[0]:
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    # linear weights [out, in] and the AttnRes score vectors [1, hidden]
+    return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+
+
+def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                   prefix: str = MULTIMODAL_PREFIX) -> dict[str, torch.Tensor]:
+    """Every trunk tensor under its checkpoint name (`prefix` + state_dict key), deterministic in
+    seed. fp32 tensors of the reference (conv weights, A_log, dt_bias, router bias) stay fp32."""
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(cfg, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in sorted(model.state_dict().items()):
+        out[prefix + name] = _init_tensor(name, tuple(t.shape), gen).to(t.dtype)
+    return out
+
