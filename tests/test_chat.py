@@ -201,6 +201,7 @@ def test_tool_name_resolution_and_errors():
     ([{"role": "user", "content": "x"}], {"thinking": "yes"}, "thinking must be true or false"),
     ([{"role": "user", "content": "x"}], {"response_format": {"type": "json_schema"}, "response_schema": {1j}},
      "response schema is not JSON-serialisable"),
+    ([{"role": "user", "content": "x"}], {"tools": {1: "a", "b": 2}}, "tools is not JSON-serialisable with sortable"),
 ])
 def test_bad_requests_name_the_field(messages, kwargs, field):
     with pytest.raises(ChatError, match=field):

@@ -92,11 +92,12 @@ def deep_sort(value: Any) -> Any:
     return value
 
 
-def _compact_json(value: Any, where: str) -> str:
+def _sorted_json(value: Any, where: str) -> str:
+    """Compact JSON of `value` with every mapping's keys sorted (the release's tool/schema form)."""
     try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(deep_sort(value), ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise ChatError(f"{where} is not JSON-serialisable: {exc}") from None
+        raise ChatError(f"{where} is not JSON-serialisable with sortable keys: {exc}") from None
 
 
 def escape_attr(value: Any) -> str:
@@ -297,7 +298,7 @@ class _Builder:
     def tool_declare(self, tools: Any, where: str, dynamic: bool = False) -> None:
         template = _DYNAMIC_TOOL_DECLARE if dynamic else _TOOL_DECLARE
         self.open("message", [("role", "system"), ("type", "tool-declare")])
-        self.text(template.format(_compact_json(deep_sort(tools), where)))
+        self.text(template.format(_sorted_json(tools, where)))
         self.close("message")
         self.end_of_msg()
 
@@ -504,8 +505,7 @@ def render(
     if format_type == "json_object":
         b.system("response-format", _JSON_OBJECT)
     elif format_type == "json_schema":
-        schema = deep_sort(response_schema) if response_schema is not None else None
-        b.system("response-format", _JSON_SCHEMA.format(_compact_json(schema, "response schema")))
+        b.system("response-format", _JSON_SCHEMA.format(_sorted_json(response_schema, "response schema")))
 
     if add_generation_prompt:
         b.open("message", [("role", "assistant")])
