@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         segments = render(messages, tools, **request)
         text = "".join(segment.text for segment in segments)
         if not args.ids:
-            sys.stdout.write(text + "\n")
-            return 0
+            return _write(text + "\n")
         directory = args.tokenizer or os.environ.get(TOKENIZER_ENV)
         if directory:
             tokenizer = Tokenizer.from_pretrained(directory)
@@ -71,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
     except (ChatError, TokenizerError, ValueError) as exc:
         print(f"render-chat: {exc}", file=sys.stderr)
         return 2
-    json.dump({"text": text, "ids": ids}, sys.stdout, ensure_ascii=False)
-    sys.stdout.write("\n")
+    return _write(json.dumps({"text": text, "ids": ids}, ensure_ascii=False) + "\n")
+
+
+def _write(output: str) -> int:
+    try:
+        sys.stdout.write(output)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into `head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")  # so the flush at interpreter exit does not fail again
     return 0
