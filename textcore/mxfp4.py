@@ -15,6 +15,7 @@ when a caller asks for them.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -97,13 +98,14 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _byte_table(device: torch.device) -> torch.Tensor:
-    """float32 [256, 2]: the (low nibble, high nibble) values of every byte, before scaling."""
+@functools.lru_cache(maxsize=16)
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: the (low nibble, high nibble) values of every byte, before scaling."""
     codes = torch.arange(16)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes & 7]
     values = torch.where(codes >= 8, -values, values)  # code 8 gives -0.0
     byte = torch.arange(256)
-    return torch.stack((values[byte & 15], values[byte >> 4]), dim=1).to(device)
+    return torch.stack((values[byte & 15], values[byte >> 4]), dim=1).to(device=device, dtype=dtype)
 
 
 def _check_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -171,12 +173,16 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Decode MXFP4 `(packed [out, in/2], scale [out, in/32])` to a dense `[out, in]` tensor.
 
-    Every product `E2M1 value * 2^k` is exact in float32; the result is then cast to `dtype`.
+    Every product `E2M1 value * 2^k` is exact in float32 (and in bf16); the result is then cast to
+    `dtype` (so float16 rounds or overflows as a cast would).
     """
     out_features, in_features = _check_packed(packed, scale)
-    values = _byte_table(packed.device)[packed.long()].reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    w = values * _scale_values(scale)[..., None]
-    return w.reshape(out_features, in_features).to(dtype)
+    # bf16 holds every E2M1 value times every E8M0 scale exactly (same exponent range as float32,
+    # subnormals down to 2^-133), so a bf16 result is computed in bf16 (cheaper); others in float32.
+    compute = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    values = _byte_table(packed.device, compute).index_select(0, packed.reshape(-1).int())
+    groups = values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    return (groups * _scale_values(scale).to(compute)[..., None]).reshape(out_features, in_features).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
