@@ -152,13 +152,11 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2(amax)) = exponent - 1
     shared = torch.where(amax > 0, exponent - 1 - E2M1_EMAX, torch.full_like(exponent, -E8M0_BIAS))
     shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)
-    # Divide by 2^shared as two exact power-of-two multiplies (2^127 alone is fine, but the
-    # reciprocal of 2^-127 is not representable in one float32 step).
-    half = -shared // 2
-    scaled = groups * torch.ldexp(torch.ones_like(amax), half)[..., None]
-    scaled = scaled * torch.ldexp(torch.ones_like(amax), -shared - half)[..., None]
+    # Divide by 2^shared exactly: shared is in [-127, 125] for finite float32 input, so 2^-shared
+    # is a normal float32 and the multiply only shifts exponents.
+    scaled = groups * torch.ldexp(torch.ones_like(amax), -shared)[..., None]
     mag = scaled.abs()
-    code = torch.zeros(mag.shape, dtype=torch.uint8)
+    code = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
     for t in _ROUND_UP_ABOVE:
         code += mag > t
     for t in _ROUND_UP_FROM:

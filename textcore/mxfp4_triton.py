@@ -172,10 +172,11 @@ def _mxfp4_expert_kernel(
 
 def _blocks(M: int, N: int, K: int, blocks: tuple[int, int, int] | None) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K). Decode-sized batches are weight-bandwidth bound: narrow N tiles
-    give more programs to stream the weight; larger batches get square-ish compute tiles."""
+    give more programs to stream the weight (N=3072 -> 192 programs for an H200's 132 SMs); larger
+    batches get square-ish compute tiles. Chosen without a GPU run: see docs/BENCHMARKS.md."""
     if blocks is None:
         if M <= 16:
-            blocks = (16, 32, 256)
+            blocks = (16, 16, 256)
         elif M <= 64:
             blocks = (64, 64, 128)
         else:
