@@ -12,6 +12,7 @@ import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,16 +55,18 @@ def content_hash(data: bytes, options: dict, checkpoint_id: str) -> str:
 
 
 class EmbedCache:
-    """Thread-safe LRU of `content_hash -> tensor`, holding at most `max_bytes` of tensor data.
+    """Thread-safe LRU of `content_hash -> value`, holding at most `max_bytes` of tensor data.
 
-    An entry larger than the whole budget is not stored. `max_bytes == 0` disables the cache.
+    Values are anything with a `rows` tensor (the engine's `ImageEmbedding`); their size is that
+    tensor's bytes. An entry larger than the whole budget is not stored; `max_bytes == 0`
+    disables the cache.
     """
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -74,23 +77,25 @@ class EmbedCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> torch.Tensor | None:
+    def get(self, key: str) -> Any | None:
         with self._lock:
-            tensor = self._entries.get(key)
-            if tensor is not None:
-                self._entries.move_to_end(key)
-            return tensor
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
+    def put(self, key: str, value: Any) -> None:
+        rows: torch.Tensor = value.rows
+        size = rows.numel() * rows.element_size()
         if size > self.max_bytes:
             return
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.numel() * old.element_size()
-            self._entries[key] = tensor
+                self._bytes -= old[1]
+            self._entries[key] = (value, size)
             self._bytes += size
             while self._bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.numel() * evicted.element_size()
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted

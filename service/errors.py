@@ -59,7 +59,8 @@ class NotConfigured(ServiceError):
 def _domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     # Imported here so `service.errors` stays light for clients; by the time a handler fails,
     # the server has imported all of these anyway.
-    from textcore.chat import ChatTemplateError
+    from service.splice import SpliceError
+    from textcore.chat import ChatError
     from vision.errors import ImageError, UnsupportedMediaError
     from vision.pool import WorkerDiedError
 
@@ -67,7 +68,7 @@ def _domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, ImageError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"bad image: {exc}"
-    if isinstance(exc, ChatTemplateError):
+    if isinstance(exc, ChatError | SpliceError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"bad chat: {exc}"
     if isinstance(exc, WorkerDiedError):
         return grpc.StatusCode.UNAVAILABLE, f"encoder worker died; retry: {exc}"

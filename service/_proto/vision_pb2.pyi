@@ -217,36 +217,48 @@ class GenerateRequest(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., thinking_effort: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., chat_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class ToolCallStart(_message.Message):
-    __slots__ = ("name", "index", "position")
-    NAME_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("index", "name")
     INDEX_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    index: int
     name: str
-    index: str
-    position: int
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ToolArgumentDelta(_message.Message):
-    __slots__ = ("position", "key", "type", "text")
-    POSITION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("index", "key", "type", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
-    position: int
+    index: int
     key: str
     type: str
     text: str
-    def __init__(self, position: _Optional[int] = ..., key: _Optional[str] = ..., type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., key: _Optional[str] = ..., type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ToolArgumentError(_message.Message):
-    __slots__ = ("position", "key", "message")
-    POSITION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("index", "key", "type", "message", "raw")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    position: int
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    index: int
     key: str
+    type: str
     message: str
-    def __init__(self, position: _Optional[int] = ..., key: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    raw: str
+    def __init__(self, index: _Optional[int] = ..., key: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., raw: _Optional[str] = ...) -> None: ...
+
+class ToolCallEnd(_message.Message):
+    __slots__ = ("index", "name", "arguments_json")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    arguments_json: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "image_tokens", "completion_tokens")
@@ -267,20 +279,24 @@ class Finish(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("reasoning_delta", "content_delta", "tool_call_start", "argument_delta", "argument_error", "finish")
+    __slots__ = ("reasoning_delta", "content_delta", "tool_call_start", "argument_delta", "argument_error", "finish", "tool_call_end", "protocol_error")
     REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_START_FIELD_NUMBER: _ClassVar[int]
     ARGUMENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     ARGUMENT_ERROR_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_END_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_ERROR_FIELD_NUMBER: _ClassVar[int]
     reasoning_delta: str
     content_delta: str
     tool_call_start: ToolCallStart
     argument_delta: ToolArgumentDelta
     argument_error: ToolArgumentError
     finish: Finish
-    def __init__(self, reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., tool_call_start: _Optional[_Union[ToolCallStart, _Mapping]] = ..., argument_delta: _Optional[_Union[ToolArgumentDelta, _Mapping]] = ..., argument_error: _Optional[_Union[ToolArgumentError, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
+    tool_call_end: ToolCallEnd
+    protocol_error: str
+    def __init__(self, reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., tool_call_start: _Optional[_Union[ToolCallStart, _Mapping]] = ..., argument_delta: _Optional[_Union[ToolArgumentDelta, _Mapping]] = ..., argument_error: _Optional[_Union[ToolArgumentError, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., tool_call_end: _Optional[_Union[ToolCallEnd, _Mapping]] = ..., protocol_error: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("messages", "tools_json", "thinking_effort", "chat_kwargs_json", "dtype", "export_vllm_ec")

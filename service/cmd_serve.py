@@ -1,0 +1,70 @@
+"""`kimi-vision serve`: run the gRPC service until SIGTERM (which drains) or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "run the gRPC vision service (kimi.vision.v1.VisionService)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free port)")
+    parser.add_argument("--devices", default="auto", metavar="SPEC",
+                        help="encoder workers: auto (default), cpu:N or cuda:0,1,...")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    parser.add_argument("--max-concurrency", type=int, default=4, metavar="N", help="requests working at once")
+    parser.add_argument("--max-queue", type=int, default=32, metavar="N",
+                        help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
+    parser.add_argument("--max-message-mb", type=int, default=64, metavar="MB", help="largest request (default 64)")
+    parser.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (default 16)")
+    parser.add_argument("--cache-mb", type=int, default=1024, metavar="MB",
+                        help="embedding cache budget (default 1024; 0 disables)")
+    parser.add_argument("--ec-export-dir", metavar="DIR",
+                        help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, how long in-flight requests may finish (default 30)")
+
+
+def _positive(args: argparse.Namespace, *names: str) -> str | None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _positive(args, "max_concurrency", "max_message_mb", "max_images")
+    if problem is None and (args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535):
+        problem = "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    import asyncio
+    import logging
+
+    from service.engine import EngineConfig
+    from service.server import ServerConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    max_bytes = args.max_message_mb << 20
+    config = ServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=max_bytes,
+        max_images=args.max_images, max_image_bytes=max_bytes, max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue, drain_grace_s=args.drain_seconds, ec_export_dir=args.ec_export_dir,
+    )
+    engine_config = EngineConfig(checkpoint=args.checkpoint, devices=args.devices, cache_bytes=args.cache_mb << 20,
+                                 max_image_bytes=max_bytes)
+
+    def announce(server) -> None:
+        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING)", flush=True)
+
+    try:
+        return asyncio.run(serve(config, engine_config, on_ready=announce))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,342 @@
+"""The model side of the service, without any gRPC: one checkpoint's tokenizer, trunk and encoder
+pool, the embedding cache, and the executors the server runs blocking work on.
+
+Threads: preprocessing and other CPU work run on `cpu_executor` (Pillow and numpy release the
+GIL); everything that touches the trunk runs on a single `trunk_executor` thread, so requests
+take turns on the trunk instead of oversubscribing the cores; the tower runs in the pool's worker
+processes. Blocking methods here are called from those executors, never from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from service import errors
+from service.ec_export import write_ec
+from service.embed_cache import EmbedCache, checkpoint_identity, content_hash
+from service.metrics import Metrics
+from service.splice import Expanded, expand_media_pads, prompt_ids, splice_rows
+from textcore.chat import render
+
+# Chat-template keyword arguments a request may set (besides thinking_effort, which has a field).
+CHAT_KWARGS = ("add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort", "tool_choice",
+               "response_format", "response_schema")
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    exif_transpose: bool = False
+    max_tokens: int | None = None
+    resize: str = "exact"
+
+    def key(self) -> str:
+        """vision's canonical name of these options (versioned with the preprocessing)."""
+        from vision import options_key
+
+        return options_key(max_tokens=self.max_tokens, exif_transpose=self.exif_transpose, resize=self.resize)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    data: bytes
+    options: ImageOptions = ImageOptions()
+    where: str = "image"  # names the image in error messages
+
+
+@dataclass
+class ChatInput:
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    images: list[ImageInput] = field(default_factory=list)  # in the order the template meets them
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's projector output and what the prompt needs to know about it."""
+
+    content_hash: str
+    rows: torch.Tensor  # [num_tokens, hidden], CPU
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    prompt: str
+    cached: bool = False
+
+
+class ChatTokens(NamedTuple):
+    total: int  # after expansion
+    image_tokens: list[int]
+
+
+@dataclass
+class GenerationResult:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    image_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: str | None = None  # None -> the embedded tiny default
+    devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
+    cache_bytes: int = 1 << 30
+    max_image_bytes: int = 32 << 20
+    max_image_pixels: int = 64_000_000
+    cpu_threads: int = max(2, os.cpu_count() or 2)
+    default_max_new_tokens: int = 512
+    max_new_tokens_limit: int = 8192
+
+
+class DecodableLogits:
+    """The trunk as `textcore.generate` uses it, with the logits of ids the tokenizer cannot decode
+    set to -inf.
+
+    The tiny default keeps the release's 163,840-row head, but its vocabulary has only a few hundred
+    base tokens; its random head would otherwise sample ids that have no text. With the release
+    tokenizer every id decodes and the engine uses the trunk directly.
+    """
+
+    def __init__(self, model: Any, decodable: torch.Tensor) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.device
+        self._blocked = ~decodable.to(model.device)
+
+    def new_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.new_cache(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.model(*args, **kwargs).masked_fill(self._blocked, float("-inf"))
+
+
+def decodable_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+    """Bool [vocab_size]: ids the tokenizer can turn into text (its base ranks and the specials)."""
+    from textcore.tokenizer import NUM_BASE_TOKENS
+
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[:tokenizer.num_base_tokens] = True
+    mask[NUM_BASE_TOKENS:tokenizer.vocab_size] = True
+    return mask
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, checkpoint_dir: Path, tokenizer: Any, model: Any, pool: Any,
+                 metrics: Metrics | None = None) -> None:
+        from vision import Limits
+
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_id = checkpoint_identity(checkpoint_dir)
+        self.tokenizer = tokenizer
+        self.model = model
+        decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
+        self._sampler = model if bool(decodable.all()) else DecodableLogits(model, decodable)
+        self.pool = pool
+        self.hidden_size = int(pool.config.text_hidden_size)
+        self.limits = Limits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
+        self.cache = EmbedCache(config.cache_bytes)
+        self.metrics = metrics or Metrics()
+        self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
+        self.trunk_executor = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-trunk")
+
+    @classmethod
+    def load(cls, config: EngineConfig, metrics: Metrics | None = None) -> Engine:
+        """Load tokenizer, trunk and encoder pool (blocking; minutes for the real model)."""
+        from textcore.model import KimiLinearForCausalLM
+        from textcore.tokenizer import Tokenizer
+        from vision.pool import EncoderPool
+
+        if config.checkpoint is None:
+            from service.default_checkpoint import default_checkpoint_dir
+
+            directory = Path(default_checkpoint_dir())
+        else:
+            directory = Path(config.checkpoint)
+        tokenizer = Tokenizer.from_pretrained(directory)
+        pool = EncoderPool(directory, config.devices)
+        try:
+            # The trunk shares the first GPU with encoder worker 0 when there is one; on CPU it runs
+            # in float32 (bf16 matmuls are slow and inexact there), like the tower.
+            first = pool.devices[0]
+            device, dtype = (first, torch.bfloat16) if first.startswith("cuda") else ("cpu", torch.float32)
+            model = KimiLinearForCausalLM.from_checkpoint(directory, dtype=dtype, device=device)
+        except BaseException:
+            pool.close()
+            raise
+        return cls(config, directory, tokenizer, model, pool, metrics)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.cpu_executor.shutdown(wait=False, cancel_futures=True)
+        self.trunk_executor.shutdown(wait=False, cancel_futures=True)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One small image through preprocessing, every encoder worker and the trunk, so the first
+        real request pays no first-call costs (and a broken setup fails before SERVING)."""
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.fromarray(np.full((56, 56, 3), 128, dtype=np.uint8)).save(buf, "PNG")
+        pre = self.preprocess(ImageInput(buf.getvalue()))
+        rows = self.pool.encode([pre] * self.pool.num_workers)[0]
+        ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
+        embeds = torch.cat([self.model.embed_tokens(ids), rows.to(self.model.device, self.model.dtype)])
+        self.model(inputs_embeds=embeds[None], last_only=True)
+
+    @property
+    def media_pad_id(self) -> int:
+        from textcore.tokenizer import MEDIA_PAD_ID
+
+        return MEDIA_PAD_ID
+
+    # -- executors ----------------------------------------------------------------------------
+
+    def run_cpu(self, fn: Callable, *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.cpu_executor, fn, *args)
+
+    def run_trunk(self, fn: Callable, *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.trunk_executor, fn, *args)
+
+    # -- images (blocking) ----------------------------------------------------------------------
+
+    def preprocess(self, image: ImageInput) -> Any:
+        from vision import preprocess_image
+
+        o = image.options
+        return preprocess_image(image.data, max_tokens=o.max_tokens, exif_transpose=o.exif_transpose,
+                                resize=o.resize, limits=self.limits)
+
+    def image_sizes(self, images: Sequence[ImageInput]) -> list[tuple[int, int]]:
+        """Decoded (width, height) of each image from its header alone (limits checked)."""
+        from vision.decode import open_header
+
+        sizes = []
+        for image in images:
+            handle, header = open_header(image.data, self.limits)
+            handle.close()
+            sizes.append(header.size)
+        return sizes
+
+    def image_plan(self, image: ImageInput) -> tuple[str, int]:
+        """(prompt, num_tokens) exactly as `preprocess` will give them, from the header alone."""
+        from vision import plan_size
+        from vision.decode import open_header, oriented_size
+        from vision.preprocess import PROMPT_TEMPLATE
+
+        o = image.options
+        if o.resize not in ("exact", "fast"):
+            raise errors.BadRequest(f"resize must be 'exact' or 'fast', got {o.resize!r}")
+        handle, header = open_header(image.data, self.limits, exif_transpose=o.exif_transpose)
+        handle.close()
+        plan = plan_size(*oriented_size(header), o.max_tokens)
+        w, h = plan.orig_size
+        return PROMPT_TEMPLATE.format(w=w, h=h), plan.num_tokens
+
+    def count_image_tokens(self, image: ImageInput) -> int:
+        return self.image_plan(image)[1]
+
+    def image_key(self, image: ImageInput) -> str:
+        return content_hash(image.data, image.options.key(), self.checkpoint_id)
+
+    async def embed_images(self, images: Sequence[ImageInput], cancelled: threading.Event) -> list[ImageEmbedding]:
+        """Embeddings of `images` in order: cache hits first, the rest preprocessed then encoded on
+        the pool (all submitted before any is awaited, so they spread over the workers)."""
+        out: list[ImageEmbedding | None] = []
+        misses: list[tuple[int, ImageInput, str]] = []
+        for i, image in enumerate(images):
+            key = self.image_key(image)
+            hit = self.cache.get(key)
+            self.metrics.cache_lookups.labels(result="hit" if hit else "miss").inc()
+            out.append(dataclasses.replace(hit, cached=True) if hit else None)
+            if hit is None:
+                misses.append((i, image, key))
+        if misses:
+            pres = await asyncio.gather(*(self.run_cpu(self.preprocess, image) for _, image, _ in misses))
+            if cancelled.is_set():
+                raise asyncio.CancelledError
+            futures = [asyncio.wrap_future(self.pool.submit(pre)) for pre in pres]
+            rows = await asyncio.gather(*futures)
+            for (i, _, key), pre, r in zip(misses, pres, rows, strict=True):
+                emb = ImageEmbedding(key, r, tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens), pre.prompt)
+                self.cache.put(key, emb)
+                out[i] = emb
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+        return out  # type: ignore[return-value]
+
+    def export_vllm_ec(self, embeddings: Sequence[ImageEmbedding], directory: Path, dtype: torch.dtype) -> list[Path]:
+        """Write each image's rows (cast to `dtype`: the consumer's activation dtype, usually bf16)."""
+        return [write_ec(directory, e.content_hash, e.rows.to(dtype)) for e in embeddings]
+
+    # -- chats (blocking) -----------------------------------------------------------------------
+
+    def _prompt(self, chat: ChatInput, image_prompts: Sequence[str]) -> list[int]:
+        return prompt_ids(self.tokenizer, chat.messages, chat.tools, image_prompts, **chat.kwargs)
+
+    def count_chat_tokens(self, chat: ChatInput) -> ChatTokens:
+        """Prompt length after expansion, from image headers only (no pixels decoded)."""
+        plans = [self.image_plan(image) for image in chat.images]
+        ids = self._prompt(chat, [prompt for prompt, _ in plans])
+        counts = [n for _, n in plans]
+        return ChatTokens(len(expand_media_pads(ids, counts, self.media_pad_id).input_ids), counts)
+
+    def expanded_prompt(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> Expanded:
+        ids = self._prompt(chat, [e.prompt for e in embeddings])
+        return expand_media_pads(ids, [e.num_tokens for e in embeddings], self.media_pad_id)
+
+    @torch.inference_mode()
+    def input_embeds(self, expanded: Expanded, embeddings: Sequence[ImageEmbedding]) -> torch.Tensor:
+        """The trunk's input rows [T, hidden]: token embeddings with each image span replaced."""
+        ids = torch.tensor(expanded.input_ids, dtype=torch.long, device=self.model.device)
+        text = self.model.embed_tokens(ids)
+        return splice_rows(text, expanded.spans, [e.rows for e in embeddings])
+
+    @torch.inference_mode()
+    def generate(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding], params: Any,
+                 emit: Callable[[Any], None], cancelled: threading.Event) -> GenerationResult:
+        """Prefill the spliced prompt and decode; each parser event goes to `emit` as it happens.
+
+        `params` is a `textcore.generate.SamplingParams`. Stops early (raising CancelledError)
+        once `cancelled` is set: the check runs after every generated token.
+        """
+        from textcore.generate import generate
+        from textcore.parser import StreamParser
+        from textcore.tokenizer import END_OF_MSG_ID
+
+        segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
+        # The generation prompt ends `<|open|>think<|sep|>` or `<|open|>response<|sep|>`; the parser
+        # starts inside that element.
+        thinking = len(segments) >= 2 and segments[-2].text == "think"
+        ids = self.tokenizer.encode_segments(segments)
+        expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], self.media_pad_id)
+        embeds = self.input_embeds(expanded, embeddings)
+        parser = StreamParser(self.tokenizer, thinking=thinking)
+
+        def on_token(_: int, token_id: int) -> None:
+            if cancelled.is_set():
+                raise asyncio.CancelledError
+            for event in parser.feed([token_id]):
+                emit(event)
+
+        if cancelled.is_set():
+            raise asyncio.CancelledError
+        (result,) = generate(self._sampler, inputs_embeds=[embeds], params=params, on_token=on_token)
+        tail = parser.feed([END_OF_MSG_ID]) if result.finish_reason == "stop" else []
+        for event in tail + parser.close():
+            emit(event)
+        return GenerationResult(result.finish_reason, len(expanded.input_ids),
+                                sum(e.num_tokens for e in embeddings), len(result.tokens))

@@ -1,0 +1,443 @@
+"""End-to-end tests of the gRPC service through real servers on 127.0.0.1.
+
+One server (the tiny random checkpoint, one CPU encoder worker) is shared by the module. Two more
+servers reuse its loaded parts where a test needs a different setup: a "stopper" whose trunk head
+is rewired so greedy decoding ends with <|end_of_msg|> within a token or two, and a one-slot,
+no-queue server for overload and drain. Each status code of the taxonomy is produced by a real
+request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from PIL import Image
+
+import vision
+from service import ec_export
+from service._proto import vision_pb2 as pb
+from service.client import AsyncVisionClient, VisionClient, message, to_numpy, user
+from service.engine import ChatInput, Engine, EngineConfig
+from service.server import CHUNK_BYTES, ServerConfig, ServerThread
+from textcore.chat import render
+from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _png(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_checkpoint(directory):
+    """The tiny random checkpoint with every part the service needs (tower, trunk, tokenizer)."""
+    import tempfile
+    from pathlib import Path
+
+    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
+    from textcore import config as text_config
+    from textcore.model import random_weights
+    from textcore.tiny_vocab import write_tiny_tokenizer
+
+    def trunk(preset, seed):
+        cfg = text_config.preset(preset)
+        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
+
+    def tokenizer(preset, seed):
+        d = Path(tempfile.mkdtemp())
+        write_tiny_tokenizer(d)
+        return CheckpointPart(files={p.name: p.read_bytes() for p in d.iterdir()})
+
+    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ec")
+
+
+@pytest.fixture(scope="module")
+def metrics_port():
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, export_dir, metrics_port):
+    config = ServerConfig(port=0, max_images=4, ec_export_dir=str(export_dir), metrics_port=metrics_port)
+    with ServerThread(config, EngineConfig(checkpoint=str(checkpoint), devices="cpu:1")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with VisionClient(server.target, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stopper(server, checkpoint):
+    """A server whose trunk ends its reply with <|end_of_msg|> (shares the main server's encoder pool).
+
+    The final norm keeps only hidden channel 0 and the head maps that channel to two ids:
+    <|end_of_msg|> (+1) and "a" (-1); every other logit is 0. So each step emits end_of_msg when
+    channel 0 is positive, else "a".
+    """
+    from textcore.model import KimiLinearForCausalLM
+
+    main = server.engine
+    model = KimiLinearForCausalLM.from_checkpoint(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[END_OF_MSG_ID, 0] = 1
+        model.lm_head.weight[main.tokenizer.encode("a")[0], 0] = -1
+    engine = Engine(EngineConfig(checkpoint=str(checkpoint)), main.checkpoint_dir, main.tokenizer, model, main.pool)
+    with ServerThread(ServerConfig(port=0), engine=engine) as handle:
+        yield handle
+    engine.cpu_executor.shutdown()
+    engine.trunk_executor.shutdown()
+
+
+@pytest.fixture()
+def narrow(server):
+    """One slot, no queue, sharing the main server's engine."""
+    handle = ServerThread(ServerConfig(port=0, max_concurrency=1, max_queue=0, drain_grace_s=60),
+                          engine=server.engine).wait_ready()
+    yield handle
+    handle.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Health, reflection, metrics
+
+
+def test_health_and_reflection(server, client):
+    assert client.health() == "SERVING"
+    assert client.health(service="") == "SERVING"
+    db = ProtoReflectionDescriptorDatabase(client.channel)
+    services = set(db.get_services())
+    assert {"kimi.vision.v1.VisionService", "grpc.health.v1.Health"} <= services
+    service = db.FindFileContainingSymbol("kimi.vision.v1.VisionService")
+    assert service.name == "kimi/vision/v1/vision.proto"
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocess / CountTokens
+
+
+def test_preprocess_matches_in_process(client):
+    data = _png(225, 223, seed=1, mode="RGBA")
+    ref = vision.preprocess_image(data)
+    reply = client.preprocess(data)
+    assert (reply.orig_width, reply.orig_height) == ref.orig_size == (225, 223)
+    assert (reply.width, reply.height) == ref.size
+    assert (reply.padded_width, reply.padded_height) == ref.padded_size
+    assert tuple(reply.grid_thw) == ref.grid_thw
+    assert reply.num_tokens == ref.num_tokens == 72  # K3_FACTS example: 225x223 -> 72
+    assert reply.prompt == ref.prompt == "<|media_begin|>image 225x223<|media_content|><|media_pad|><|media_end|>"
+    assert not reply.HasField("pixel_values")
+
+    image = client.preprocess(data, return_pixels=True)
+    assert image.pixel_values.dtype == "uint8"
+    np.testing.assert_array_equal(to_numpy(image.pixel_values.dtype, image.pixel_values.shape,
+                                           image.pixel_values.data), ref.image)
+    patches = client.preprocess(data, return_pixels=True, pixel_format="patches").pixel_values
+    assert patches.dtype == "float32" and list(patches.shape) == [ref.grid_thw[1] * ref.grid_thw[2], 3, 14, 14]
+    np.testing.assert_array_equal(to_numpy(patches.dtype, patches.shape, patches.data), ref.pixel_values)
+
+
+def test_count_tokens_image_and_chat(client):
+    data = _jpeg(1920, 1080)
+    assert client.count_tokens(data).num_tokens == 2691  # K3_FACTS example
+    assert client.count_tokens(data).image_tokens == [2691]
+    small = _png(100, 60)
+    chat = [user("Compare", small, "with", _png(56, 56, 2))]
+    counted = client.count_tokens(messages=chat)
+    encoded = client.encode(chat)
+    assert counted.num_tokens == len(encoded.input_ids)
+    assert list(counted.image_tokens) == [s.length for s in encoded.header.spans] == [12, 4]
+    assert counted.text_tokens == counted.num_tokens - 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Embed / Encode / splicing
+
+
+def test_embed_equals_projector_rows_and_is_cached(server, client):
+    data = _png(130, 90, seed=3)
+    ref = server.engine.pool.encode([vision.preprocess_image(data)])[0]
+    header, rows = client.embed(data)
+    assert header.num_tokens == ref.shape[0] and header.hidden_size == ref.shape[1]
+    assert list(header.shape) == list(ref.shape) and header.dtype == "float32"
+    assert header.nbytes == rows.nbytes
+    np.testing.assert_array_equal(rows, ref.numpy())
+    again, rows2 = client.embed(data)
+    assert again.cached and not header.cached and again.content_hash == header.content_hash
+    np.testing.assert_array_equal(rows2, rows)
+    # The hash covers the options: another token cap is another entry.
+    capped, _ = client.embed(pb.Image(data=data, options=pb.ImageOptions(max_tokens=4)))
+    assert capped.content_hash != header.content_hash and capped.num_tokens <= 4
+    # bfloat16 travels as its raw 16-bit words and decodes to exactly the rounded rows.
+    bf16, rows_bf16 = client.embed(data, dtype="bfloat16")
+    assert bf16.nbytes == rows.size * 2
+    np.testing.assert_array_equal(rows_bf16, ref.to(torch.bfloat16).float().numpy())
+
+
+def test_embed_streams_in_chunks_of_at_most_4_mib(server):
+    data = _png(1400, 1400, seed=4)  # 2500 tokens x 64 x 4 B = 640 KB: one chunk at the tiny width
+    with VisionClient(server.target, timeout=120) as c:
+        chunks = list(c.stub.Embed(pb.EmbedRequest(image=pb.Image(data=data))))
+    assert chunks[0].HasField("header")
+    assert all(len(ch.data) <= CHUNK_BYTES for ch in chunks[1:])
+    assert sum(len(ch.data) for ch in chunks[1:]) == chunks[0].header.nbytes
+
+
+def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
+    a, b, c = _png(100, 60, seed=5), _png(84, 84, seed=6), _png(60, 100, seed=7)
+    chat = [message("system", "Be brief."), user("First", a, "second", b), user("third", c, "done")]
+    encoded = client.encode(chat)
+    header, ids = encoded.header, encoded.input_ids
+    pres = [vision.preprocess_image(x) for x in (a, b, c)]
+    refs = server.engine.pool.encode(pres)
+    # Exactly num_tokens media_pads per image, contiguous, in prompt order.
+    assert ids.count(MEDIA_PAD_ID) == sum(p.num_tokens for p in pres)
+    assert [s.length for s in header.spans] == [p.num_tokens for p in pres]
+    for span in header.spans:
+        assert ids[span.offset:span.offset + span.length] == [MEDIA_PAD_ID] * span.length
+        assert ids[span.offset + span.length] != MEDIA_PAD_ID and ids[span.offset - 1] != MEDIA_PAD_ID
+    # Collapsing each run back to one media_pad gives the template's own prompt.
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image"},
+                                             {"type": "text", "text": "second"}, {"type": "image"}]},
+                {"role": "user", "content": [{"type": "text", "text": "third"}, {"type": "image"},
+                                             {"type": "text", "text": "done"}]}]
+    template_ids = server.engine.tokenizer.encode_segments(render(messages, image_prompts=[p.prompt for p in pres]))
+    collapsed = [t for i, t in enumerate(ids) if t != MEDIA_PAD_ID or ids[i - 1] != MEDIA_PAD_ID]
+    assert collapsed == template_ids
+    assert list(header.position_ids) == list(range(len(ids)))
+    assert header.media_pad_id == MEDIA_PAD_ID and header.num_rows == sum(p.num_tokens for p in pres)
+    # The streamed rows are the projector rows, images in span order.
+    np.testing.assert_array_equal(encoded.embeddings, torch.cat(refs).numpy())
+    # And in the trunk's input embeddings, each span holds its image's rows; text rows are the
+    # token embeddings.
+    engine = server.engine
+    chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
+    expanded = engine.expanded_prompt(ChatInput(messages), chat_input_embeddings)
+    assert expanded.input_ids == ids
+    embeds = engine.input_embeds(expanded, chat_input_embeddings)
+    text_rows = engine.model.embed_tokens(torch.tensor(ids))
+    is_image = torch.tensor(ids) == MEDIA_PAD_ID
+    torch.testing.assert_close(embeds[~is_image], text_rows[~is_image], rtol=0, atol=0)
+    for span, ref in zip(header.spans, refs, strict=True):
+        torch.testing.assert_close(embeds[span.offset:span.offset + span.length], ref, rtol=0, atol=0)
+
+
+def test_encode_writes_vllm_encoder_cache(client, export_dir):
+    data = _png(70, 70, seed=8)
+    encoded = client.encode([user("x", data)], export_vllm_ec=True)
+    (span,) = encoded.header.spans
+    path = export_dir / span.content_hash / "encoder_cache.safetensors"
+    assert span.ec_path == str(path) and path.is_file()
+    written = ec_export.read_ec(export_dir, span.content_hash)
+    assert list(written.shape) == [span.length, encoded.header.hidden_size]
+    np.testing.assert_array_equal(written.float().numpy(), encoded.embeddings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generate
+
+
+def _reference_generation(engine, text: str):
+    from textcore.generate import SamplingParams, generate
+
+    ids = engine.tokenizer.encode_segments(render([{"role": "user", "content": text}]))
+    (result,) = generate(engine._sampler, input_ids=[ids], params=SamplingParams(max_new_tokens=8))
+    return result
+
+
+def test_generate_streams_and_stops_at_end_of_msg(stopper):
+    engine = stopper.engine
+    # The crafted head stops on the first step whose channel 0 is positive; find a prompt where
+    # that happens after one "a" (the reference run decides, the server must agree).
+    for k in range(12):
+        text = f"Say something {k}"
+        ref = _reference_generation(engine, text)
+        if ref.finish_reason == "stop" and ref.tokens:
+            break
+    else:
+        pytest.fail("no probe prompt made the crafted trunk stop after at least one token")
+    with VisionClient(stopper.target, timeout=120) as c:
+        events = list(c.generate([user(text)], max_new_tokens=8))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[-1] == "finish" and kinds.count("finish") == 1
+    finish = events[-1].finish
+    assert finish.reason == pb.FINISH_REASON_STOP
+    assert finish.usage.completion_tokens == len(ref.tokens) < 8
+    reasoning = "".join(e.reasoning_delta for e in events if e.WhichOneof("event") == "reasoning_delta")
+    assert reasoning == engine.tokenizer.decode(ref.tokens)
+
+
+def test_generate_with_image_runs_to_length(client):
+    image = _png(90, 90, seed=9)
+    events = list(client.generate([user("What is this?", image)], max_new_tokens=5,
+                                  sampling={"temperature": 0.8, "top_p": 0.9, "seed": 7}))
+    finish = events[-1].finish
+    assert finish.reason == pb.FINISH_REASON_LENGTH and finish.usage.completion_tokens == 5
+    assert finish.usage.image_tokens == vision.count_tokens(image) == 16
+    assert finish.usage.prompt_tokens == client.count_tokens(messages=[user("What is this?", image)]).num_tokens
+    assert len(events) >= 2  # parsed output streamed before the finish event
+    again = list(client.generate([user("What is this?", image)], max_new_tokens=5,
+                                 sampling={"temperature": 0.8, "top_p": 0.9, "seed": 7}))
+    assert again == events  # same seed, same reply
+
+
+async def test_async_client(server):
+    async with AsyncVisionClient(server.target, timeout=120) as c:
+        assert await c.health() == "SERVING"
+        reply = await c.preprocess(_png(56, 28))
+        assert reply.num_tokens == 2
+        header, rows = await c.embed(_png(56, 28))
+        assert rows.shape == (2, header.hidden_size)
+        events = [e async for e in c.generate([user("hi")], max_new_tokens=2)]
+        assert events[-1].finish.usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: each status code from a real request
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def test_invalid_argument_names_the_problem(client):
+    err = _code(lambda: client.preprocess(b"definitely not an image"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad image" in err.details()
+    assert "Traceback" not in err.details()
+    err = _code(lambda: client.embed(_png(10, 10), dtype="int4"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.details()
+    err = _code(lambda: client.encode([user(*[_png(28, 28, i) for i in range(5)])]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many images" in err.details()
+    err = _code(lambda: client.encode([pb.ChatMessage(role="robot", content=[pb.ContentPart(text="hi")])]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.details()
+    err = _code(lambda: next(client.generate([user("hi")], tools="{not json", max_new_tokens=1)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools_json" in err.details()
+
+
+def test_message_size_limit(server):
+    with VisionClient(server.target, timeout=60, max_send_bytes=128 << 20) as c:
+        err = _code(lambda: c.preprocess(b"\0" * (65 << 20)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_video_is_unimplemented(client):
+    mp4 = b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41" + b"\x00" * 64
+    err = _code(lambda: client.preprocess(mp4))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "video" in err.details()
+    err = _code(lambda: client.embed(pb.Image(data=_png(28, 28), mime_type="video/mp4")))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_export_without_directory_is_failed_precondition(narrow):
+    with VisionClient(narrow.target, timeout=60) as c:
+        err = _code(lambda: c.encode([user("x", _png(28, 28))], export_vllm_ec=True))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--ec-export-dir" in err.details()
+
+
+def _trunk_idle_within(engine, seconds: float) -> bool:
+    """True when the trunk thread picks up new work within `seconds` (i.e. it is not still generating)."""
+    return engine.trunk_executor.submit(lambda: None).result(timeout=seconds) is None
+
+
+def test_deadline_exceeded_stops_generation(server, client):
+    start = time.monotonic()
+    err = _code(lambda: list(client.generate([user("Tell me a long story")], max_new_tokens=4000, timeout=1.5)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 30
+    # 4000 tokens take minutes here; the trunk must be free again within seconds.
+    assert _trunk_idle_within(server.engine, 20)
+    sample = server.server.metrics.registry.get_sample_value
+    assert sample("kimi_vision_requests_total", {"method": "Generate", "code": "DEADLINE_EXCEEDED"}) >= 1
+
+
+def test_overload_cancel_and_drain(narrow, server):
+    """One slot and no queue: a second request is RESOURCE_EXHAUSTED; cancelling the first frees the
+    slot; during a drain new requests are UNAVAILABLE, health says NOT_SERVING, and the in-flight
+    request still finishes."""
+    with VisionClient(narrow.target, timeout=120) as c:
+        long_call = c.generate([user("Tell me a long story")], max_new_tokens=4000)
+        first = next(long_call)  # the slot is now held
+        assert first.WhichOneof("event") != "finish"
+        err = _code(lambda: c.count_tokens(_png(28, 28)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in err.details()
+        long_call.cancel()
+        assert _trunk_idle_within(server.engine, 20)
+        deadline = time.monotonic() + 10
+        while narrow.server.admission.admitted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.count_tokens(_png(28, 28)).num_tokens == 1  # the cancelled call gave its slot back
+
+        in_flight = c.generate([user("Tell me a long story")], max_new_tokens=40)
+        next(in_flight)
+        drained = narrow.drain_in_background()
+        deadline = time.monotonic() + 10
+        while not narrow.server.draining and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.health() == "NOT_SERVING"
+        err = _code(lambda: c.count_tokens(_png(28, 28)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+        rest = list(in_flight)
+        assert rest[-1].finish.reason == pb.FINISH_REASON_LENGTH
+        drained.result(timeout=60)
+
+
+def test_metrics_endpoint(server, client, metrics_port):
+    client.preprocess(_png(28, 28))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert 'kimi_vision_requests_total{code="OK",method="Preprocess"}' in text
+    assert "kimi_vision_request_seconds_bucket" in text and "kimi_vision_queue_depth" in text
+    assert 'kimi_vision_tokens_total{kind="image"}' in text
+
+
+def test_concurrent_requests_share_the_pool(client):
+    images = [_png(56 + 28 * i, 56, seed=20 + i) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda d: client.embed(d)[1].shape[0], images))
+    assert results == [vision.count_tokens(d) for d in images]
+
