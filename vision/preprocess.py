@@ -5,7 +5,7 @@ The reference steps, and how this module does each one:
   2. Pillow BICUBIC resize in the image's native mode -> Pillow itself (it *is* the reference)
   3. checkerboard compositing after the resize (float32 blend, truncation)
                                 -> one gather from a 2x256x256 table built with the same float32 ops
-  4. black bottom/right padding -> Pillow `crop` past the edge (RGB) or a zeroed numpy canvas
+  4. black bottom/right padding -> one copy into a canvas whose padding is zeroed
   5. normalisation `(x/255.0).astype(float32) - 0.5) * 2.0` -> a 256-entry table built by those ops
   6. row-major 14x14 patches    -> one uint8 re-layout, then one table lookup into the float32 output
 Steps 3 and 5 are exact because their inputs are uint8: a table over every possible input holds
@@ -59,6 +59,7 @@ NORMALISE_TABLE = _normalise_table()
 NORMALISE_TABLE.flags.writeable = False
 COMPOSITE_TABLE = _composite_table()
 COMPOSITE_TABLE.flags.writeable = False
+_COMPOSITE_FLAT = COMPOSITE_TABLE.reshape(-1)
 
 
 def options_key(*, max_tokens: int | None = None, exif_transpose: bool = False, resize: ResizeMode = "exact") -> str:
@@ -129,18 +130,31 @@ def _needs_composite(image: Image.Image) -> bool:
     return "A" in image.getbands() or "transparency" in image.info
 
 
+def _padded_canvas(height: int, width: int, padded_size: tuple[int, int]) -> np.ndarray:
+    """An uninitialised (Hp, Wp, 3) uint8 canvas whose bottom/right padding is already black."""
+    pw, ph = padded_size
+    canvas = np.empty((ph, pw, 3), dtype=np.uint8)
+    canvas[height:] = 0
+    canvas[:height, width:] = 0
+    return canvas
+
+
 def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarray:
     """Resized image -> uint8 (Hp, Wp, 3): compositing or RGB conversion, then black padding."""
-    pw, ph = padded_size
+    composite = _needs_composite(image)
     with pillow_quiet():
-        if not _needs_composite(image):
-            rgb = image if image.mode == "RGB" else image.convert("RGB")
-            # crop past the bottom/right edge fills with 0: the padding, in the same copy.
-            return np.asarray(rgb.crop((0, 0, pw, ph)))
-        rgba = np.asarray(image if image.mode == "RGBA" else image.convert("RGBA"))
-    h, w = rgba.shape[:2]
-    canvas = np.zeros((ph, pw, 3), dtype=np.uint8)
-    canvas[:h, :w] = COMPOSITE_TABLE[_checker_index(h, w)[:, :, None], rgba[:, :, 3:4], rgba[:, :, :3]]
+        if composite:
+            pixels = np.asarray(image if image.mode == "RGBA" else image.convert("RGBA"))
+        else:
+            pixels = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+    h, w = pixels.shape[:2]
+    canvas = _padded_canvas(h, w, padded_size)
+    if composite:
+        # One gather per value from the flattened [background, alpha, value] table.
+        key = (_checker_index(h, w).astype(np.uint32) << 16) | (pixels[:, :, 3].astype(np.uint32) << 8)
+        canvas[:h, :w] = _COMPOSITE_FLAT[key[:, :, None] + pixels[:, :, :3]]
+    else:
+        canvas[:h, :w] = pixels
     canvas.flags.writeable = False
     return canvas
 
