@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "render-chat": ("service.cmd_render_chat", "render a chat request into the Kimi-K3 prompt (and token ids)"),
     "params": ("service.cmd_params", "parameter counts, MXFP4 disk size and cache sizes of a model preset"),
     "quantize": ("service.cmd_quantize", "convert a bf16 checkpoint to MXFP4 (mxfp4-pack-quantized), K3 ignore list"),
+    "batch": ("service.cmd_batch", "caption, OCR or embed many images (progress, exactly-once --resume, Ray)"),
 }
 
 
