@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help). The help lives here so `kimi-vision --help` imports nothing.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("service.cmd_serve", "run the gRPC vision service (kimi.vision.v1.VisionService)"),
+    "demo": ("service.cmd_demo", "start the service in-process and run images and a chat through it (gRPC)"),
     "preprocess": ("service.cmd_preprocess", "size, patch grid, token count and prompt Kimi-K3 makes of each image"),
     "preview": ("service.cmd_preview", "write the padded model-input image Kimi-K3 sees (optional token grid)"),
     "make-checkpoint": ("service.cmd_make_checkpoint", "write a deterministic random checkpoint in the Kimi-K3 layout"),

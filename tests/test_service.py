@@ -441,3 +441,19 @@ def test_concurrent_requests_share_the_pool(client):
         results = list(pool.map(lambda d: client.embed(d)[1].shape[0], images))
     assert results == [vision.count_tokens(d) for d in images]
 
+
+
+def test_sample_client_script(server):
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "samples" / "client.py"), "--target", server.target, "--max-new-tokens", "3",
+         str(REPO_ROOT / "samples" / "photo.jpg"), str(REPO_ROOT / "samples" / "sticker_rgba.png")],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "photo.jpg: 640x480 -> 644x504, 414 tokens, embedding (414, 64) (bfloat16)" in out.stdout
+    assert "[3 tokens generated]" in out.stdout
