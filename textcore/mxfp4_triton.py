@@ -6,10 +6,10 @@ nibble), so a K-tile is computed as `x[:, even] @ W_lo.T + x[:, odd] @ W_hi.T`, 
 interleaving of the decoded nibbles.
 
 Decoded values `E2M1 * 2^k` are exact in bf16, so on a GPU both dot operands are bf16 (tensor
-cores, exact products, float32 accumulation). Triton's CPU interpreter computes a bf16 `tl.dot`
-wrongly, so there both operands are cast to float32 first (same result, different speed), and
-its float32 -> bf16 cast truncates instead of rounding to nearest even, so there the kernel
-stores float32 and torch does the final cast.
+cores, exact products, float32 accumulation); float32 activations get a float32 dot instead.
+Triton's CPU interpreter computes a bf16 `tl.dot` wrongly, so there both operands are cast to
+float32 first (same result, different speed), and its float32 -> bf16 cast truncates instead of
+rounding to nearest even, so there the kernel stores float32 and torch does the final cast.
 
 Block sizes are fixed per call by a small heuristic (no autotuning); callers may pass their own.
 Import this module only where a kernel will run: `textcore.mxfp4` does it lazily.
@@ -187,6 +187,12 @@ def _blocks(M: int, N: int, K: int, blocks: tuple[int, int, int] | None) -> tupl
     return blocks
 
 
+def _dot_in_fp32(x: torch.Tensor) -> bool:
+    """float32 dot operands in the interpreter (see the module docstring) and for float32 x, whose
+    precision a bf16 dot would silently drop; bf16 tensor-core dots otherwise."""
+    return _INTERPRETER or x.dtype == torch.float32
+
+
 def _store_dtype(x: torch.Tensor) -> torch.dtype:
     """The kernel's output dtype: x's, except float32 in the interpreter (see the module docstring)."""
     return torch.float32 if _INTERPRETER else x.dtype
@@ -220,7 +226,7 @@ def mxfp4_matmul(
         x, packed, scale, y, M, N, K,
         x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
         y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_INTERPRETER,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_dot_in_fp32(x),
     )  # fmt: skip
     return y.to(x.dtype)
 
@@ -255,6 +261,6 @@ def mxfp4_expert_matmul(
         x, offsets, packed, scale, y, N, K,
         x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), packed.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_INTERPRETER,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_dot_in_fp32(x),
     )  # fmt: skip
     return y.to(x.dtype)
