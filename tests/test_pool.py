@@ -21,7 +21,7 @@ def image(h: int, w: int, seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
     return rng.uniform(-1, 1, (h * w, 3, 14, 14)).astype(np.float32), (1, h, w)
 
 
-ITEMS = [image(h, w, i) for i, (h, w) in enumerate([(4, 6), (64, 64), (10, 2), (2, 2), (30, 40), (2, 50)])]
+ITEMS = [image(h, w, i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2, 2), (30, 40), (2, 50)])]
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,10 @@ def test_least_outstanding_patches_scheduling(pool2, reference):
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)  # freeze both so the queue state is observable
     try:
-        big = pool2.submit(ITEMS[1])  # 4096 patches -> worker 0 (tie broken by index)
-        small = [pool2.submit(ITEMS[i]) for i in (0, 2, 3)]  # all fit on worker 1 (< 4096 patches)
+        big = pool2.submit(ITEMS[1])  # 1024 patches -> worker 0 (tie broken by index)
+        small = [pool2.submit(ITEMS[i]) for i in (0, 2, 3)]  # all go to worker 1 (< 1024 patches)
         workers = pool2.health()["workers"]
-        assert [w["outstanding_patches"] for w in workers] == [4096, 24 + 20 + 4]
+        assert [w["outstanding_patches"] for w in workers] == [1024, 24 + 20 + 4]
         assert [w["inflight"] for w in workers] == [1, 3]
     finally:
         for pid in pids:
@@ -138,3 +138,20 @@ def test_resolve_devices():
         with pytest.raises(ValueError, match="do not exist here"):
             resolve_devices("cuda:0,1")
         assert resolve_devices("auto") == ["cpu"]
+
+
+def test_results_hold_no_file_descriptors_and_callbacks_may_resubmit(pool2, reference):
+    before = len(os.listdir("/proc/self/fd"))
+    held = [pool2.submit(ITEMS[3]).result(30) for _ in range(40)]
+    assert len(os.listdir("/proc/self/fd")) < before + 10  # not one per held embedding
+    torch.testing.assert_close(held[-1], reference[3], rtol=1e-5, atol=1e-5)
+
+    chained = []
+    first = pool2.submit(ITEMS[0])
+    first.add_done_callback(lambda _: chained.append(pool2.submit(ITEMS[2])))  # runs on the collector thread
+    first.result(30)
+    deadline = time.monotonic() + 30
+    while not chained:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    torch.testing.assert_close(chained[0].result(30), reference[2], rtol=1e-5, atol=1e-5)

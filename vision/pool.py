@@ -287,9 +287,10 @@ class EncoderPool:
         if self._collector.is_alive() and threading.current_thread() is not self._collector:
             self._collector.join()
         with self._lock:
+            left = [f for s in slots for f in self._take_inflight(s)]
             for s in slots:
-                self._fail_inflight(s, PoolClosedError("encoder pool closed before this image was encoded"))
                 self._discard_channels(s)
+        self._fail(left, PoolClosedError("encoder pool closed before this image was encoded"))
 
     def __enter__(self) -> EncoderPool:
         return self
@@ -369,24 +370,32 @@ class EncoderPool:
             if proc is not None and proc.is_alive():
                 proc.kill()
             return False
-        kind = msg[0]
+        kind, key = msg[0], msg[1]
+        detail = msg[2] if len(msg) > 2 else None
+        del msg
+        if kind == "ok":
+            # Copy out of shared memory: a held shared-memory tensor pins an open file
+            # descriptor, and callers (caches) may keep thousands of embeddings.
+            detail = detail.clone()
         with self._lock:
             if slot.generation != generation:
                 return True
             if kind == "ready":
-                slot.ready, slot.pid, slot.start_failures = True, msg[1], 0
-            elif kind == "failed":
-                slot.load_error = msg[1]
-            elif kind in ("ok", "error"):
-                entry = slot.inflight.pop(msg[1], None)
-                if entry is None:
-                    return True
-                future, patches = entry
-                slot.outstanding -= patches
-                if kind == "ok":
-                    future.set_result(msg[2])
-                else:
-                    future.set_exception(EncodeError(f"encoder worker {slot.index} ({slot.device}): {msg[2]}"))
+                slot.ready, slot.pid, slot.start_failures = True, key, 0
+                return True
+            if kind == "failed":
+                slot.load_error = key
+                return True
+            entry = slot.inflight.pop(key, None)
+            if entry is None:
+                return True
+            future, patches = entry
+            slot.outstanding -= patches
+        # Outside the lock: done-callbacks may call back into the pool.
+        if kind == "ok":
+            future.set_result(detail)
+        else:
+            future.set_exception(EncodeError(f"encoder worker {slot.index} ({slot.device}): {detail}"))
         return True
 
     def _drain(self, slot: _Slot, generation: int) -> None:
@@ -401,39 +410,46 @@ class EncoderPool:
                 return
 
     def _on_death(self, slot: _Slot, generation: int) -> None:
+        proc = slot.process
+        if proc is None:
+            return
+        proc.join(1.0)  # its sentinel fired: it has exited, this only reaps it
+        code = proc.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         with self._lock:
             if slot.generation != generation:
                 return
-            proc = slot.process
-            proc.join(1.0)
-            code = proc.exitcode
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            error = WorkerDiedError(f"encoder worker {slot.index} ({slot.device}, pid {slot.pid}) died ({how})")
+            doomed = self._take_inflight(slot)
             was_ready = slot.ready
-            self._fail_inflight(
-                slot,
-                WorkerDiedError(f"encoder worker {slot.index} ({slot.device}, pid {slot.pid}) died ({how})"),
-            )
             self._discard_channels(slot)
             slot.process, slot.ready = None, False
             if self._closed:
-                return
-            if slot.load_error:
+                pass
+            elif slot.load_error:
                 slot.retired = f"worker {slot.index} cannot load the model: {slot.load_error}"
-                return
-            if not was_ready:
+            elif not was_ready and slot.start_failures + 1 >= MAX_START_FAILURES:
                 slot.start_failures += 1
-                if slot.start_failures >= MAX_START_FAILURES:
-                    slot.retired = f"worker {slot.index} died {slot.start_failures} times while starting ({how})"
-                    return
-            slot.restarts += 1
-            self._start(slot)
+                slot.retired = f"worker {slot.index} died {slot.start_failures} times while starting ({how})"
+            else:
+                slot.start_failures += 0 if was_ready else 1
+                slot.restarts += 1
+                self._start(slot)
+        self._fail(doomed, error)
 
-    def _fail_inflight(self, slot: _Slot, error: Exception) -> None:
-        for future, _ in slot.inflight.values():
-            if not future.done():
-                future.set_exception(error)
+    @staticmethod
+    def _take_inflight(slot: _Slot) -> list[Future]:
+        """Remove and return everything `slot` holds (lock held); fail them after releasing it."""
+        futures = [future for future, _ in slot.inflight.values()]
         slot.inflight.clear()
         slot.outstanding = 0
+        return futures
+
+    @staticmethod
+    def _fail(futures: list[Future], error: Exception) -> None:
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
 
     @staticmethod
     def _discard_channels(slot: _Slot) -> None:
