@@ -73,6 +73,10 @@ class ImageEmbedding:
     cached: bool = False
 
 
+class GenerationStopped(Exception):
+    """Raised on the trunk thread when the RPC that asked for a generation has gone away."""
+
+
 class ChatTokens(NamedTuple):
     total: int  # after expansion
     image_tokens: list[int]
@@ -310,7 +314,7 @@ class Engine:
                  emit: Callable[[Any], None], cancelled: threading.Event) -> GenerationResult:
         """Prefill the spliced prompt and decode; each parser event goes to `emit` as it happens.
 
-        `params` is a `textcore.generate.SamplingParams`. Stops early (raising CancelledError)
+        `params` is a `textcore.generate.SamplingParams`. Stops early (raising GenerationStopped)
         once `cancelled` is set: the check runs after every generated token.
         """
         from textcore.generate import generate
@@ -328,12 +332,12 @@ class Engine:
 
         def on_token(_: int, token_id: int) -> None:
             if cancelled.is_set():
-                raise asyncio.CancelledError
+                raise GenerationStopped
             for event in parser.feed([token_id]):
                 emit(event)
 
         if cancelled.is_set():
-            raise asyncio.CancelledError
+            raise GenerationStopped
         (result,) = generate(self._sampler, inputs_embeds=[embeds], params=params, on_token=on_token)
         tail = parser.feed([END_OF_MSG_ID]) if result.finish_reason == "stop" else []
         for event in tail + parser.close():

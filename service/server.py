@@ -349,8 +349,13 @@ class VisionService(pb_grpc.VisionServiceServicer):
             def emit(event: Any) -> None:  # on the trunk thread
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
+            def finished(job: asyncio.Future) -> None:
+                events.put_nowait(None)
+                if not job.cancelled():
+                    job.exception()  # retrieved here too: when the RPC is gone nobody awaits it
+
             job = asyncio.ensure_future(engine.run_trunk(engine.generate, chat, embeddings, params, emit, cancelled))
-            job.add_done_callback(lambda _: events.put_nowait(None))
+            job.add_done_callback(finished)
             try:
                 while (event := await events.get()) is not None:
                     message = _event(event)
@@ -456,7 +461,7 @@ class VisionServer:
                 yield cancelled
         except (asyncio.CancelledError, GeneratorExit):
             remaining = context.time_remaining()
-            deadline_hit = remaining is not None and remaining <= 0
+            deadline_hit = remaining is not None and remaining < 0.05  # gRPC cancels at the deadline
             code = grpc.StatusCode.DEADLINE_EXCEEDED if deadline_hit else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
