@@ -223,7 +223,10 @@ def rpc_failure(exc: BaseException) -> Failure | None:
 
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         code = exc.code()
-        return Failure(f"server: {code.name}: {exc.details()}", transient=code.name in TRANSIENT_CODES)
+        if code.name in TRANSIENT_CODES:
+            return Failure(f"server {code.name}: {exc.details()}", transient=True)
+        # The server words domain errors as the engine does ("bad image: ..."): the same row either way.
+        return Failure(exc.details() or code.name, transient=False)
     return None
 
 

@@ -70,13 +70,17 @@ class JobSpec:
                       sampling="greedy", thinking=False)
         return fp
 
+    def image_chat(self, num_images: int = 1) -> list[dict[str, Any]]:
+        """One user message: the image(s), then the task prompt."""
+        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": self.effective_prompt}]
+        return [{"role": "user", "content": content}]
+
     def chat(self, item: Item) -> list[dict[str, Any]]:
         """The item's chat: the task prompt after its image, or a JSONL row's own messages (the task
         prompt appended to its last user message when the row carries no text at all)."""
         prompt = self.effective_prompt
         if item.messages is None:
-            content = [{"type": "image"} for _ in item.images] + [{"type": "text", "text": prompt}]
-            return [{"role": "user", "content": content}]
+            return self.image_chat(len(item.images))
         messages = [dict(m, content=list(m["content"])) for m in item.messages]
         has_text = any(p["type"] == "text" and p["text"].strip() for m in messages for p in m["content"])
         if not has_text:
@@ -174,6 +178,55 @@ class RunOptions:
     handle_sigint: bool = True
 
 
+class Recorder:
+    """Writes finished items (rows, embedding shards), counts them and shows progress. Shared by
+    the asyncio runner and the Ray driver, so both write the same rows the same way."""
+
+    def __init__(self, summary: Summary, output: Path, pending: int, options: RunOptions,
+                 on_abort: Callable[[], None] = lambda: None) -> None:
+        from service.batch.shards import ShardWriter
+
+        self.summary = summary
+        self.options = options
+        self.on_abort = on_abort
+        self.limit = options.max_consecutive_transient or max(10, 4 * options.concurrency)
+        self.writer = RowWriter(output, options.fsync_every_s)
+        self.shards = ShardWriter(output, self.writer.write, max_bytes=options.shard_bytes,
+                                  max_age_s=options.shard_age_s)
+        self.progress = Progress(pending, tty=options.tty, log_every_s=options.log_every_s,
+                                 label=f"batch {summary.task}")
+        self._consecutive_transient = 0
+
+    def record(self, row: dict[str, Any], embedding: Embedding | None = None) -> None:
+        summary = self.summary
+        if row["status"] == "ok":
+            summary.ok += 1
+            self._consecutive_transient = 0
+        elif row["transient"]:
+            summary.transient += 1
+            self._consecutive_transient += 1
+            if self._consecutive_transient >= self.limit and not summary.aborted:
+                summary.aborted = (f"{self._consecutive_transient} transient failures in a row "
+                                   f"(last: {row['error']}); fix the cause, then rerun with --resume")
+                self.on_abort()
+        else:
+            summary.errors += 1
+            self._consecutive_transient = 0
+        if embedding is not None:
+            self.shards.add(row["custom_id"], embedding.rows, row)
+        else:
+            self.writer.write([row])
+        self.progress.update(row["status"] == "ok")
+
+    def close(self) -> None:
+        """Write buffered embeddings (their rows go out only with their shard), fsync, end progress."""
+        try:
+            self.shards.flush()
+        finally:
+            self.writer.close()
+            self.progress.close()
+
+
 class Job:
     """One run of a batch job on one backend. `run()` returns the `Summary`."""
 
@@ -187,13 +240,7 @@ class Job:
         self.options = options or RunOptions()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._consecutive_transient = 0
         self.bug: BaseException | None = None  # the exception that stopped the job, if a bug did
-
-    def prepare(self) -> tuple[Prior, list[Item]]:
-        """Check/resume the output (raises `ResumeRefused`); the items still to run."""
-        prior = prepare(self.output, self.spec.fingerprint(self.backend.identity), resume=self.resume)
-        return prior, [item for item in self.items if item.custom_id not in prior.done]
 
     def stop(self) -> None:
         """Stop taking items and cancel those in flight (they run again on resume)."""
@@ -204,37 +251,13 @@ class Job:
                 task.cancel()
 
     async def run(self) -> Summary:
-        from service.batch.shards import ShardWriter
-
         opts = self.options
-        prior, pending = self.prepare()
+        prior = prepare(self.output, self.spec.fingerprint(self.backend.identity), resume=self.resume)
+        pending = [item for item in self.items if item.custom_id not in prior.done]
         summary = Summary(self.spec.task, len(self.items), len(self.items) - len(pending), prior=prior)
-        writer = RowWriter(self.output, opts.fsync_every_s)
-        shards = ShardWriter(self.output, writer.write, max_bytes=opts.shard_bytes, max_age_s=opts.shard_age_s)
-        progress = Progress(len(pending), tty=opts.tty, log_every_s=opts.log_every_s, label=f"batch {self.spec.task}")
-        limit = opts.max_consecutive_transient or max(10, 4 * opts.concurrency)
+        recorder = Recorder(summary, self.output, len(pending), opts, on_abort=self.stop)
         queue = iter(pending)
         start = time.monotonic()
-
-        def record(row: dict[str, Any], embedding: Embedding | None) -> None:
-            if row["status"] == "ok":
-                summary.ok += 1
-                self._consecutive_transient = 0
-            elif row["transient"]:
-                summary.transient += 1
-                self._consecutive_transient += 1
-                if self._consecutive_transient >= limit and not summary.aborted:
-                    summary.aborted = (f"{self._consecutive_transient} transient failures in a row "
-                                       f"(last: {row['error']}); fix the cause, then rerun with --resume")
-                    self.stop()
-            else:
-                summary.errors += 1
-                self._consecutive_transient = 0
-            if embedding is not None:
-                shards.add(row["custom_id"], embedding.rows, row)
-            else:
-                writer.write([row])
-            progress.update(row["status"] == "ok")
 
         async def worker() -> None:
             item = None
@@ -244,7 +267,7 @@ class Job:
                     if item is None:
                         return
                     row, embedding = await self._process(item)
-                    record(row, embedding)
+                    recorder.record(row, embedding)
             except Exception as exc:  # a bug: stop the whole job, not just this worker
                 if self.bug is None:
                     self.bug = exc
@@ -253,17 +276,16 @@ class Job:
                 self.stop()
 
         loop = asyncio.get_running_loop()
-        on_sigint = self.options.handle_sigint and _install_sigint(loop, self.stop)
+        on_sigint = opts.handle_sigint and _install_sigint(loop, self.stop)
         try:
             self._tasks = [asyncio.create_task(worker()) for _ in range(max(1, opts.concurrency))]
             await asyncio.gather(*self._tasks, return_exceptions=True)
             summary.interrupted = self._stop.is_set() and not summary.aborted
         finally:
             if on_sigint:
-                loop.remove_signal_handler(signal.SIGINT)
-            shards.flush()  # rows of buffered embeddings go out only with their shard
-            writer.close()
-            progress.close()
+                with contextlib.suppress(ValueError, RuntimeError):
+                    loop.remove_signal_handler(signal.SIGINT)
+            recorder.close()
             summary.elapsed_s = time.monotonic() - start
         return summary
 

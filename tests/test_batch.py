@@ -1,0 +1,313 @@
+"""`kimi-vision batch`: real images (good and bad), a real server on 127.0.0.1, real CLI processes.
+
+One server (tiny random checkpoint: tower, trunk and tokenizer; one CPU encoder worker) serves
+the module. The in-process engine tests reuse that server's loaded `Engine`, so both modes run
+the same weights and their rows can be compared. The kill test SIGKILLs a real `kimi-vision batch`
+process part-way and checks that `--resume` leaves every input in the output exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from service.batch.backends import EngineBackend, ServerBackend, local_identity
+from service.batch.inputs import InputError, load_items
+from service.batch.journal import ResumeRefused, fingerprint_path, prepare, shard_dir
+from service.batch.runner import Job, JobSpec, RunOptions
+from service.engine import EngineConfig
+from service.server import ServerConfig, ServerThread
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = REPO_ROOT / "samples"
+pytestmark = pytest.mark.timeout(300)
+
+GOOD = ["photo.jpg", "grayscale.png", "sticker_rgba.png", "sub/deeper/palette.png"]
+BAD = ["sub/not_an_image.jpg", "truncated.png"]
+
+
+def _tiny_checkpoint(directory: Path) -> Path:
+    """The tiny random checkpoint with every part a caption job needs (tower, trunk, tokenizer)."""
+    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
+    from textcore import config as text_config
+    from textcore.model import random_weights
+    from textcore.tiny_vocab import write_tiny_tokenizer
+
+    def trunk(preset, seed):
+        cfg = text_config.preset(preset)
+        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
+
+    def tokenizer(preset, seed):
+        files = write_tiny_tokenizer(directory.with_name(directory.name + "-tok"))
+        return CheckpointPart(files={p.name: p.read_bytes() for p in files.iterdir()})
+
+    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _tiny_checkpoint(tmp_path_factory.mktemp("batch") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """Good images in nested folders, two bad ones with image extensions, and a file to ignore."""
+    root = tmp_path_factory.mktemp("images")
+    (root / "sub" / "deeper").mkdir(parents=True)
+    shutil.copy(SAMPLES / "photo.jpg", root / "photo.jpg")
+    shutil.copy(SAMPLES / "grayscale.png", root / "grayscale.png")
+    shutil.copy(SAMPLES / "sticker_rgba.png", root / "sticker_rgba.png")
+    shutil.copy(SAMPLES / "palette_transparent.png", root / "sub" / "deeper" / "palette.png")
+    (root / "sub" / "not_an_image.jpg").write_text("this is text, not a JPEG\n")
+    (root / "truncated.png").write_bytes((SAMPLES / "grayscale.png").read_bytes()[:120])
+    (root / "notes.txt").write_text("not an image extension: never an input\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(checkpoint), devices="cpu:1",
+                                                         cache_bytes=0)) as handle:
+        yield handle
+
+
+def _rows(output: Path) -> list[dict]:
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def _by_id(output: Path) -> dict[str, dict]:
+    rows = _rows(output)
+    counts = collections.Counter(r["custom_id"] for r in rows)
+    assert max(counts.values()) == 1, f"ids written more than once: {[k for k, n in counts.items() if n > 1]}"
+    return {r["custom_id"]: r for r in rows}
+
+
+def _without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "timings"}
+
+
+def _run(spec: JobSpec, source, output: Path, backend, *, resume: bool = False, concurrency: int = 2):
+    async def go():
+        job = Job(spec, load_items(source), output, backend, resume=resume,
+                  options=RunOptions(concurrency=concurrency, tty=False, handle_sigint=False))
+        summary = await job.run()
+        assert job.bug is None, summary.aborted
+        return summary
+
+    return asyncio.run(go())
+
+
+def _server_run(target: str, spec: JobSpec, source, output: Path, **kwargs):
+    async def go():
+        backend = await ServerBackend.connect(target)
+        try:
+            job = Job(spec, load_items(source), output, backend, resume=kwargs.get("resume", False),
+                      options=RunOptions(concurrency=kwargs.get("concurrency", 4), tty=False, handle_sigint=False))
+            return await job.run()
+        finally:
+            await backend.close()
+
+    return asyncio.run(go())
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", "batch", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def test_inputs_directory_jsonl_and_list(images, tmp_path):
+    ids = [item.custom_id for item in load_items(images)]
+    assert sorted(ids) == sorted(GOOD + BAD)  # recursive, by extension, `/`-separated, notes.txt skipped
+
+    listing = tmp_path / "paths.txt"
+    listing.write_text(f"# comment\n{images / 'photo.jpg'}\n\nrel/one.png\n")
+    items = load_items(listing)
+    assert [i.custom_id for i in items] == [(images / "photo.jpg").as_posix(), "rel/one.png"]
+    assert items[1].images[0].path == str(tmp_path / "rel" / "one.png")
+
+    bad = tmp_path / "bad.jsonl"
+    for text, message in [
+        ('{"custom_id": "a", "body": {"messages": []}}', "bad.jsonl:1: body.messages must be a non-empty list"),
+        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n{"oops"',
+         "bad.jsonl:2: not valid JSON"),
+        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}\n' * 2,
+         "custom_id 'a' appears more than once"),
+        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": [{"type": "image_url", '
+         '"image_url": {"url": "https://example.com/x.png"}}]}]}}', "remote image URLs are not fetched"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(InputError, match=message.replace("(", r"\(")):
+            load_items(bad)
+    with pytest.raises(InputError, match="no such file or directory"):
+        load_items(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# The journal: torn last line, transient failures, fingerprint
+
+
+def test_resume_drops_a_torn_last_line_and_transient_failures(tmp_path):
+    output = tmp_path / "out.jsonl"
+    fp = {"format": "x", "task": "caption"}
+    prepare(output, fp, resume=False)
+    rows = [{"custom_id": "a", "status": "ok", "text": "A"},
+            {"custom_id": "b", "status": "error", "error": "bad image", "transient": False},
+            {"custom_id": "c", "status": "error", "error": "server: UNAVAILABLE", "transient": True}]
+    output.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"custom_id": "d", "sta')
+    prior = prepare(output, fp, resume=True)
+    assert prior.done == {"a", "b"} and prior.torn and prior.retrying == 1
+    assert [r["custom_id"] for r in _rows(output)] == ["a", "b"]  # rewritten whole, ends with a newline
+    assert output.read_bytes().endswith(b"\n")
+
+    with pytest.raises(ResumeRefused, match="already holds results; pass --resume"):
+        prepare(output, fp, resume=False)
+    with pytest.raises(ResumeRefused, match=r"options differ .*task: was \"caption\", now \"ocr\""):
+        prepare(output, {"format": "x", "task": "ocr"}, resume=True)
+    fingerprint_path(output).unlink()
+    with pytest.raises(ResumeRefused, match="job file .* is missing"):
+        prepare(output, fp, resume=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through a real server, and in-process on the same engine
+
+
+def test_caption_folder_with_bad_images_server_and_local_agree(server, images, tmp_path):
+    spec = JobSpec("caption", max_new_tokens=6)
+    via_server = tmp_path / "server.jsonl"
+    summary = _server_run(server.target, spec, images, via_server)
+    assert (summary.ok, summary.errors, summary.transient, summary.exit_code) == (len(GOOD), len(BAD), 0, 0)
+    rows = _by_id(via_server)
+    assert sorted(rows) == sorted(GOOD + BAD)
+    for name in GOOD:
+        row = rows[name]
+        assert row["status"] == "ok" and row["error"] is None and isinstance(row["text"], str)
+        assert row["tokens"]["completion"] == 6 and row["finish_reason"] == "length"
+        assert row["tokens"]["image"] > 0 and row["tokens"]["prompt"] > row["tokens"]["image"]
+    assert "bad image" in rows["sub/not_an_image.jpg"]["error"] and rows["truncated.png"]["status"] == "error"
+    assert rows["truncated.png"]["transient"] is False
+
+    in_process = tmp_path / "local.jsonl"
+    _run(spec, images, in_process, EngineBackend(server.engine))
+    local = _by_id(in_process)
+    assert {k: _without_timings(v) for k, v in local.items()} == {k: _without_timings(v) for k, v in rows.items()}
+    # Local and server name the same model, so either may resume the other's output.
+    assert json.loads(fingerprint_path(in_process).read_text()) == json.loads(fingerprint_path(via_server).read_text())
+
+
+def test_jsonl_input_through_the_server(server, tmp_path):
+    photo = (SAMPLES / "sticker_rgba.png").read_bytes()
+    data_url = "data:image/png;base64," + base64.b64encode(photo).decode()
+    shutil.copy(SAMPLES / "grayscale.png", tmp_path / "gray.png")
+    lines = [
+        {"custom_id": "inline", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "What is red?"}]}],
+             "max_tokens": 3}},
+        {"custom_id": "by-path", "body": {"messages": [
+            {"role": "system", "content": "You describe images."},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "gray.png"}}]}]}},
+        {"custom_id": "two-images", "body": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": "gray.png"}}]}]}},
+        {"custom_id": "broken-base64", "body": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}},
+    ]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out.jsonl"
+    summary = _server_run(server.target, JobSpec("ocr", max_new_tokens=5), source, output)
+    assert (summary.ok, summary.errors) == (3, 1)
+    rows = _by_id(output)
+    assert rows["inline"]["tokens"]["completion"] == 3  # the row's own max_tokens wins
+    assert rows["by-path"]["tokens"]["completion"] == 5
+    assert rows["two-images"]["tokens"]["image"] == rows["inline"]["tokens"]["image"] + rows["by-path"]["tokens"][
+        "image"]
+    assert "base64" in rows["broken-base64"]["error"] and rows["broken-base64"]["transient"] is False
+
+
+def test_kill_9_part_way_then_resume_gives_every_input_exactly_once(server, tmp_path):
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(14):
+        shutil.copy(SAMPLES / ("sticker_rgba.png" if i % 2 else "grayscale.png"), folder / f"img{i:02d}.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    output = tmp_path / "out.jsonl"
+    args = ["--task", "caption", "--input", str(folder), "--output", str(output), "--server", server.target,
+            "--concurrency", "1", "--max-new-tokens", "12"]
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "batch", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if output.exists() and output.read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    written = output.read_bytes().count(b"\n")
+    assert 3 <= written < 15, f"the kill should land part-way, {written} of 15 rows were written"
+
+    again = _cli(*args)  # the same options without --resume: refused, nothing touched
+    assert again.returncode == 1 and "pass --resume" in again.stderr
+    changed = _cli(*args[:-1], "13", "--resume")
+    assert changed.returncode == 1
+    assert "--resume refused" in changed.stderr and "max_new_tokens: was 12, now 13" in changed.stderr
+
+    resumed = _cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{written} already done" in resumed.stdout and "gibberish" in resumed.stdout
+    rows = _by_id(output)  # asserts no id twice
+    assert sorted(rows) == sorted([f"img{i:02d}.png" for i in range(14)] + ["broken.png"])
+    assert rows["broken.png"]["status"] == "error" and sum(r["status"] == "ok" for r in rows.values()) == 14
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI in-process (the default mode): embeddings into shards
+
+
+def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoint, images, tmp_path):
+    output = tmp_path / "emb.jsonl"
+    done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--checkpoint", str(checkpoint),
+                "--devices", "cpu:1")
+    assert done.returncode == 0, done.stderr
+    assert f"{len(GOOD)} ok, {len(BAD)} errors" in done.stdout
+    rows = _by_id(output)
+    assert sorted(rows) == sorted(GOOD + BAD)
+    fp = json.loads(fingerprint_path(output).read_text())
+    assert fp["task"] == "embed" and fp["model"] == local_identity(checkpoint)
+
+    via_server = tmp_path / "server.jsonl"
+    _server_run(server.target, JobSpec("embed"), images, via_server)
+    reference = _by_id(via_server)
+    for name in GOOD:
+        row = rows[name]
+        emb = row["embedding"]
+        tensor = load_file(str(output.parent / emb["file"]))[emb["key"]]
+        assert list(tensor.shape) == emb["shape"] == [row["tokens"]["image"], 64] and emb["key"] == name
+        ref = reference[name]["embedding"]
+        expected = load_file(str(via_server.parent / ref["file"]))[ref["key"]]
+        np.testing.assert_allclose(tensor, expected, rtol=1e-4, atol=1e-5)
+        assert row["grid_thw"] == reference[name]["grid_thw"]
+    for name in BAD:
+        assert rows[name]["status"] == "error" and "embedding" not in rows[name]
+    assert [p.name for p in shard_dir(output).iterdir()] == ["shard-00001.safetensors"]
+
+    usage = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--prompt", "x")
+    assert usage.returncode == 2 and "do not apply to --task embed" in usage.stderr
