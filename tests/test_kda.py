@@ -6,6 +6,15 @@ import torch
 from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small ops on a CPU shared by many processes: extra threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _inputs(B, T, H, K, V, seed, decay_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     q = l2_normalize(torch.randn(B, T, H, K, generator=gen))
@@ -57,5 +66,7 @@ def test_bad_shapes_are_named():
     q, k, v, g, beta, _ = _inputs(1, 5, 2, 8, 4, seed=2)
     with pytest.raises(ValueError, match="beta must be"):
         chunk_kda(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="log decay"):
+        chunk_kda(q, k, v, g - 6, beta)
     with pytest.raises(ValueError, match="initial_state"):
         recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 5))

@@ -59,6 +59,8 @@ class TextConfig:
             raise ValueError(f"full_attn_layers {bad} outside 1..{self.num_hidden_layers} (1-based)")
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings=true is not the KimiLinear layout (lm_head is separate)")
+        if not -5.0 <= self.gate_lower_bound < 0:
+            raise ValueError(f"gate_lower_bound {self.gate_lower_bound}: chunked KDA supports [-5, 0) (K3: -5)")
         if self.num_expert_group != 1:
             raise ValueError(f"num_expert_group {self.num_expert_group}: only 1 group (K3) is implemented")
 

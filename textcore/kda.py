@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 CHUNK = 64  # tokens per chunk in chunk_kda
-SUB_CHUNK = 16  # diagonal blocks whose decays are formed pairwise (exactly) instead of factorised
+SUB_CHUNK = 32  # rows sharing one reference point when in-chunk decays are factorised
+SLAB = 8  # chunks whose S-independent parts are computed together (bounds the memory)
+LOG_DECAY_MIN = -5.0  # chunk_kda accepts g in [LOG_DECAY_MIN, 0]; the K3 gate is bounded at -5
 L2_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum x^2 + eps), as the reference kernel does
 
 
@@ -66,29 +68,24 @@ def recurrent_kda(
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def _decayed_products(a: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """P[t, j] = sum_d a[t, d] k[j, d] exp(G[t, d] - G[j, d]) for j <= t (zero above the diagonal).
+def _decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For x in (q, k): P[t, j] = sum_d x[t, d] k[j, d] exp(G[t, d] - G[j, d]) for j <= t, else 0.
 
-    a, k, G: `[..., C, K]` with G the in-chunk cumulative log decay (non-increasing along C).
-    Off-diagonal SUB_CHUNK blocks factorise around the first row of the row block (both factors
-    <= 1, so nothing overflows); the diagonal blocks are formed pairwise, which is exact for any g.
+    q, k, G: `[..., C, K]`, G the in-chunk cumulative log decay. exp(G_t - G_j) is factorised as
+    exp(G_t - m) exp(m - G_j) around m, the cumulative decay at the middle row of t's SUB_CHUNK
+    block, so one batched matmul gives every entry. With every g in [LOG_DECAY_MIN, 0] each factor
+    of a kept entry stays within exp(+-SUB_CHUNK/2 * |LOG_DECAY_MIN|) = exp(+-80), finite in fp32;
+    a factor that underflows belongs to an entry below exp(-20), which is negligible.
     """
-    *lead, C, K = a.shape
+    *lead, C, K = q.shape
     n, s = C // SUB_CHUNK, SUB_CHUNK
     Gb = G.reshape(*lead, n, s, K)
-    ref = Gb[..., :1, :]  # [..., n, 1, K]: cumulative decay at each row block's first row
-    a_f = a.reshape(*lead, n, s, K) * (Gb - ref).exp()  # [..., n, s, K]
-    k_f = k.unsqueeze(-3) * (ref - G.unsqueeze(-3)).clamp(max=0).exp()  # [..., n, C, K]
-    P = (a_f @ k_f.transpose(-1, -2)).reshape(*lead, C, C)  # valid where block(j) < block(t)
-    row_block = torch.arange(C, device=a.device) // s
-    P = P * (row_block[None, :] < row_block[:, None])
-    diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)  # [..., n, s(t), s(j), K]
-    causal = torch.ones(s, s, dtype=torch.bool, device=a.device).tril()
-    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-    diag = torch.einsum("...td,...tjd,...jd->...tj", a.reshape(*lead, n, s, K), decay, k.reshape(*lead, n, s, K))
-    for b in range(n):
-        P[..., b * s:(b + 1) * s, b * s:(b + 1) * s] = diag[..., b, :, :]
-    return P
+    mid = Gb[..., s // 2: s // 2 + 1, :]  # [..., n, 1, K]
+    rows = torch.stack([q, k]).reshape(2, *lead, n, s, K) * (Gb - mid).exp()
+    # columns after t's block are masked below; the clamp only keeps them finite
+    cols = k.unsqueeze(-3) * (mid - G.unsqueeze(-3)).clamp(max=-LOG_DECAY_MIN * s / 2).exp()  # [..., n, C, K]
+    P = (rows @ cols.transpose(-1, -2)).reshape(2, *lead, C, C).tril()
+    return P[0], P[1]
 
 
 def chunk_kda(
@@ -103,39 +100,56 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY-form) KDA in fp32, any T; same contract and result as `recurrent_kda`.
 
-    g must be a log decay (<= 0), as the layer's `-5 * sigmoid(...)` gate always is.
+    g must be a log decay in [LOG_DECAY_MIN, 0] (the layer's `-5 * sigmoid(...)` gate always is);
+    anything else is refused rather than risking fp32 overflow in the factorised decays.
     T is padded to a multiple of CHUNK with k = v = beta = g = 0, which leaves the state untouched.
     Per chunk with cumulative decay G (within the chunk) and chunk-start state S0:
         (I + A) [U | W] = diag(beta) [V | K*exp(G)],  A[t, j] = beta_t k_t.(exp(G_t - G_j) k_j), j < t
         delta = U - W S0
         o = (Q*exp(G)) S0 + M delta,                 M[t, j] = q_t.(exp(G_t - G_j) k_j), j <= t
         S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
+    Everything that does not involve S0 is computed for SLAB chunks at once; only the three lines
+    with S0 run chunk by chunk.
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
+    if g.numel() and (float(g.min()) < LOG_DECAY_MIN or float(g.max()) > 0):
+        raise ValueError(f"chunk_kda needs g (log decay) in [{LOG_DECAY_MIN}, 0]; got "
+                         f"{float(g.min()):.3g}..{float(g.max()):.3g} (use recurrent_kda)")
     out_dtype = v.dtype
     pad = (-T) % CHUNK
-    # [B, H, T, D] in fp32, padded
-    q, k, v, g = (F.pad(t.float().transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v, g))
-    beta = F.pad(beta.float().transpose(1, 2), (0, pad))
+    N = (T + pad) // CHUNK
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> fp32 [B, H, N, CHUNK, ...]
+        t = t.float().transpose(1, 2)
+        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
+        return t.reshape(B, H, N, CHUNK, *t.shape[3:])
+
+    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
     q = q * scale
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
     eye = torch.eye(CHUNK, device=q.device)
     o = torch.empty_like(v)
-    for start in range(0, T + pad, CHUNK):
-        sl = slice(start, start + CHUNK)
-        q_c, k_c, v_c, b_c = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
+    for first in range(0, N, SLAB):
+        sl = slice(first, first + SLAB)
+        q_s, k_s, v_s, b_s = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl, :, None]
         G = g[:, :, sl].cumsum(-2)
-        M = _decayed_products(q_c, k_c, G)
-        A = _decayed_products(k_c, k_c, G).tril(-1) * b_c.unsqueeze(-1)
-        rhs = b_c.unsqueeze(-1) * torch.cat([v_c, k_c * G.exp()], dim=-1)
+        M, Akk = _decayed_products(q_s, k_s, G)
+        A = Akk.tril(-1) * b_s
+        rhs = b_s * torch.cat([v_s, k_s * G.exp()], dim=-1)
         UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        U, W = UW[..., :V], UW[..., V:]
-        delta = U - W @ S
-        o[:, :, sl] = (q_c * G.exp()) @ S + M @ delta
-        G_end = G[:, :, -1:]
-        S = G_end.transpose(-1, -2).exp() * S + (k_c * (G_end - G).exp()).transpose(-1, -2) @ delta
-    o = o[:, :, :T].transpose(1, 2).to(out_dtype)
+        U = UW[..., :V]
+        # rows [W ; Q*exp(G)] share the product with S0
+        WQ = torch.cat([UW[..., V:], q_s * G.exp()], dim=-2)
+        G_end = G[..., -1:, :]
+        k_to_end = (k_s * (G_end - G).exp()).transpose(-1, -2)  # [B, H, n, K, CHUNK]
+        decay_all = G_end.transpose(-1, -2).exp()  # [B, H, n, K, 1]
+        for i in range(U.shape[2]):
+            X = WQ[:, :, i] @ S
+            delta = U[:, :, i] - X[..., :CHUNK, :]
+            o[:, :, first + i] = X[..., CHUNK:, :] + M[:, :, i] @ delta
+            S = decay_all[:, :, i] * S + k_to_end[:, :, i] @ delta
+    o = o.reshape(B, H, N * CHUNK, V)[:, :, :T].transpose(1, 2).to(out_dtype)
     return o, (S if output_final_state else None)
 
 
@@ -226,7 +240,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(proj, dtype=torch.float32))
         self.b_proj = lin(hidden, H)
         self.g_proj = lin(hidden, proj)  # full-rank output gate
-        self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=torch.float32)  # shipped in fp32
         self.o_proj = lin(proj, hidden)
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None,
