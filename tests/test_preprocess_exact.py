@@ -35,6 +35,17 @@ def _alpha(w: int, h: int, seed: int) -> np.ndarray:
     return a
 
 
+def _palette(rgb: np.ndarray) -> Image.Image:
+    """A 64-colour palette image built directly (quantize() is slow on long strips)."""
+    levels = (rgb // 64).astype(np.uint8)
+    index = levels[..., 0] * 16 + levels[..., 1] * 4 + levels[..., 2]
+    im = Image.fromarray(index, "P")
+    r, g, b = np.meshgrid(np.arange(4), np.arange(4), np.arange(4), indexing="ij")
+    colours = np.stack([r, g, b], axis=-1).reshape(-1, 3) * 64 + 32
+    im.putpalette(colours.astype(np.uint8).tobytes())
+    return im
+
+
 def _save(image: Image.Image, fmt: str, **kw) -> bytes:
     buf = io.BytesIO()
     image.save(buf, fmt, **kw)
@@ -60,13 +71,13 @@ def make_image(kind: str, w: int, h: int, seed: int = 0) -> bytes:
     if kind == "L-tRNS":
         return _save(Image.fromarray(gray), "PNG", transparency=int(gray[0, 0]))
     if kind in ("P", "P-tRNS"):
-        im = Image.fromarray(rgb).quantize(64)
+        im = _palette(rgb)
         if kind == "P":
             return _save(im, "PNG")
         alphas = bytes(range(0, 256, 4))[:64]
         return _save(im, "PNG", transparency=alphas)
     if kind == "P-gif-transparent":
-        return _save(Image.fromarray(rgb).quantize(64), "GIF", transparency=3)
+        return _save(_palette(rgb), "GIF", transparency=3)
     if kind == "1":
         return _save(Image.fromarray(gray > 127), "PNG")
     if kind == "CMYK-jpeg":
@@ -84,7 +95,7 @@ def make_image(kind: str, w: int, h: int, seed: int = 0) -> bytes:
         return _save(Image.frombytes("F", (w, h), v.tobytes()), "TIFF")
     frames_rgb = [_pattern(w, h, seed + k) for k in range(3)]
     if kind == "GIF-animated":
-        frames = [Image.fromarray(f).quantize(32) for f in frames_rgb]
+        frames = [_palette(f) for f in frames_rgb]
         return _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0, transparency=5)
     if kind == "APNG":
         frames = [Image.fromarray(np.dstack([f, a])) for f in frames_rgb]
