@@ -140,8 +140,10 @@ def _signature(data: bytes) -> str | None:
 
 def _open(data: bytes, limits: Limits) -> Image.Image:
     Image.init()  # registers every plugin (once); `formats=` only knows registered ones
+    # Pillow builds without an optional codec (AVIF before Pillow 11.3) simply do not offer it.
+    formats = [name for name in ACCEPTED_FORMATS if name in Image.OPEN]
     try:
-        return Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
+        return Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:
         # Pillow's own ceiling (2 x Image.MAX_IMAGE_PIXELS) trips before our check can run.
         raise ImageTooLargeError(
