@@ -1,0 +1,178 @@
+"""Benchmark: the gRPC service against in-process calls, and latency under concurrency.
+
+    .venv/bin/python -m bench.service [--checkpoint DIR] [--repeats 7] [--seconds 8]
+
+Starts `kimi-vision serve` as a subprocess on a free 127.0.0.1 port (one CPU encoder worker,
+embedding cache off so every Embed runs the tower), then in one run:
+
+1. Preprocess of a 12 MP JPEG (4000x3000, photo-like content): `vision.preprocess_image` in this
+   process vs the Preprocess RPC (the server does the same work; the reply carries the sizes,
+   grid, token count and prompt, not the pixels), interleaved, median of --repeats each. Target:
+   RPC / in-process <= 1.1. The same RPC with the uint8 model input returned is shown as well.
+2. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
+   for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
+
+The machine is shared and noisy: ratios come from side-by-side runs; absolute figures move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+from PIL import Image
+
+
+def _photo_jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None]
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :]
+    r = 120 + 90 * np.sin(6 * x + 2 * y)
+    g = 110 + 80 * np.cos(5 * y - 3 * x)
+    b = 100 + 60 * np.sin(9 * x * y + 1) + 40 * ((x * 40).astype(np.int32) % 2)
+    img = np.stack(np.broadcast_arrays(r, g, b), axis=-1) + rng.normal(0, 6, (height, width, 3)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _png(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: str | None, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--devices", "cpu:1",
+           "--cache-mb", "0", "--max-concurrency", "4", "--max-queue", "64"]
+    if checkpoint:
+        cmd += ["--checkpoint", checkpoint]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(client, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}:\n{proc.stderr.read()}")
+        try:
+            if client.health(timeout=2) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not become SERVING in time")
+
+
+def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
+    import vision
+
+    vision.preprocess_image(data)  # warm both sides once
+    client.preprocess(data)
+    local, rpc, rpc_pixels = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        vision.preprocess_image(data)
+        t1 = time.perf_counter()
+        client.preprocess(data)
+        t2 = time.perf_counter()
+        client.preprocess(data, return_pixels=True)
+        t3 = time.perf_counter()
+        local.append(t1 - t0)
+        rpc.append(t2 - t1)
+        rpc_pixels.append(t3 - t2)
+    return {"local": statistics.median(local), "rpc": statistics.median(rpc),
+            "rpc_pixels": statistics.median(rpc_pixels),
+            "ratio": statistics.median(r / loc for r, loc in zip(rpc, local, strict=True))}
+
+
+async def load(target: str, method: str, data: bytes, concurrency: int, seconds: float) -> dict[str, float]:
+    from service.client import AsyncVisionClient
+
+    latencies: list[float] = []
+    errors = 0
+    async with AsyncVisionClient(target, timeout=300) as client:
+        call = client.preprocess if method == "Preprocess" else client.embed
+        await call(data)  # warm
+        stop = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                try:
+                    await call(data)
+                except Exception:  # noqa: BLE001 - counted, reported
+                    errors += 1
+                    continue
+                latencies.append(time.perf_counter() - t0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
+    return {"n": len(latencies), "p50": p(0.50), "p99": p(0.99), "rps": len(latencies) / elapsed, "errors": errors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=8.0, help="per concurrency level and RPC")
+    parser.add_argument("--levels", default="1,8,32")
+    args = parser.parse_args(argv)
+
+    from service.client import VisionClient
+
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    proc = start_server(args.checkpoint, port)
+    try:
+        with VisionClient(target, timeout=300) as client:
+            wait_serving(client, proc)
+            print(f"server pid {proc.pid} on {target}; cores {os.cpu_count()}; load {os.getloadavg()[0]:.1f}")
+            big = _photo_jpeg(4000, 3000)
+            cmp = compare_preprocess(client, big, args.repeats)
+            print(f"\n12 MP JPEG ({len(big) / 1e6:.1f} MB), median of {args.repeats}:")
+            print(f"  in-process preprocess_image   {cmp['local'] * 1000:8.1f} ms")
+            print(f"  Preprocess RPC                {cmp['rpc'] * 1000:8.1f} ms   ratio {cmp['ratio']:.3f} "
+                  f"(target <= 1.1)")
+            print(f"  Preprocess RPC + uint8 pixels {cmp['rpc_pixels'] * 1000:8.1f} ms")
+        cases = [("Preprocess", "1920x1080 JPEG", _photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
+        print("\n| RPC | input | concurrency | requests | p50 ms | p99 ms | req/s | errors |")
+        print("|---|---|---|---|---|---|---|---|")
+        for method, label, data in cases:
+            for c in (int(x) for x in args.levels.split(",")):
+                r = asyncio.run(load(target, method, data, c, args.seconds))
+                print(f"| {method} | {label} | {c} | {r['n']} | {r['p50'] * 1000:.1f} | {r['p99'] * 1000:.1f} | "
+                      f"{r['rps']:.1f} | {r['errors']} |", flush=True)
+        print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
