@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from service.make_checkpoint import make_checkpoint
-from vision.checkpoint import CheckpointError
+from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from vision.encoder import VisionEncoder
 from vision.pool import EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
 
@@ -119,9 +119,18 @@ def test_bad_input_raises_in_caller(pool2):
         pool2.submit((pixels[:15], (1, 3, 5)))
 
 
-def test_bad_checkpoint_fails_fast(tmp_path):
+def test_bad_checkpoint_fails_fast_before_spawning(ckpt, tmp_path, monkeypatch):
+    def no_spawn(*_):
+        raise AssertionError("a worker was started for a checkpoint the parent can see is broken")
+
+    monkeypatch.setattr(EncoderPool, "_start", no_spawn)
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         EncoderPool(tmp_path / "missing", workers=1)
+    src = Checkpoint(ckpt)
+    tensors = {n: src.tensor(n) for n in src.names() if n != "mm_projector.post_norm.weight"}
+    broken = write_checkpoint(tmp_path / "broken", tensors, src.config)
+    with pytest.raises(CheckpointError, match=r"1 missing tensors: mm_projector\.post_norm\.weight"):
+        EncoderPool(broken, workers=1)
 
 
 def test_resolve_devices():
@@ -155,3 +164,29 @@ def test_results_hold_no_file_descriptors_and_callbacks_may_resubmit(pool2, refe
         assert time.monotonic() < deadline
         time.sleep(0.01)
     torch.testing.assert_close(chained[0].result(30), reference[2], rtol=1e-5, atol=1e-5)
+
+
+def test_workers_exit_when_the_parent_is_killed(ckpt):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    script = (
+        "import sys, time\n"
+        "from vision.pool import EncoderPool\n"
+        f"pool = EncoderPool({str(ckpt)!r}, workers=1, threads_per_worker=1)\n"
+        "print(*[w['pid'] for w in pool.health()['workers']], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, "encoder worker outlived its killed parent"
+        time.sleep(0.05)

@@ -46,6 +46,19 @@ def model_input(item: Any) -> tuple[torch.Tensor, Grid]:
     return pixels, grid  # type: ignore[return-value]
 
 
+def check_checkpoint(ckpt: Checkpoint) -> VisionConfig:
+    """The checkpoint's vision config, after checking every `vision_tower.*` / `mm_projector.*`
+    name and shape against it (metadata only: nothing is read or allocated)."""
+    try:
+        config = VisionConfig.from_checkpoint_config(ckpt.config)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+    with torch.device("meta"):
+        for prefix, module in ((TOWER_PREFIX, VisionTower(config)), (PROJECTOR_PREFIX, Projector(config))):
+            ckpt.check({k: tuple(v.shape) for k, v in module.state_dict().items()}, prefix)
+    return config
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """The release runs the tower in bf16; CPU gets float32 (bf16 matmuls are slow and inexact there)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -77,10 +90,7 @@ class VisionEncoder:
         """Build on the meta device (no allocation), then load `vision_tower.*` and `mm_projector.*`
         strictly: any missing, unexpected or mis-shaped tensor is one `CheckpointError`."""
         ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
-        try:
-            config = VisionConfig.from_checkpoint_config(ckpt.config)
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+        config = check_checkpoint(ckpt)
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         with torch.device("meta"):

@@ -33,8 +33,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from vision.checkpoint import Checkpoint, CheckpointError
-from vision.config import VisionConfig
-from vision.encoder import model_input
+from vision.encoder import check_checkpoint, model_input
 from vision.tower import check_grids
 
 MAX_START_FAILURES = 3  # consecutive deaths before "ready" after which a slot is retired
@@ -178,11 +177,12 @@ class EncoderPool:
         threads_per_worker: int | None = None,
         start_timeout_s: float = 300.0,
     ):
-        ckpt = Checkpoint(checkpoint_dir)  # fail fast, in the caller, on a bad directory
+        # Fail fast, in the caller, on a bad directory, config or tensor list (before any spawn).
+        ckpt = Checkpoint(checkpoint_dir)
         try:
-            self.config = VisionConfig.from_checkpoint_config(ckpt.config)
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+            self.config = check_checkpoint(ckpt)
+        finally:
+            ckpt.close()
         self.checkpoint_dir = str(ckpt.path)
         self.devices = resolve_devices(devices, workers)
         cpu_workers = sum(d == "cpu" for d in self.devices)
