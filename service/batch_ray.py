@@ -190,8 +190,8 @@ def run_ray_job(spec: JobSpec, items: Sequence[Item], output: Path, *, resume: b
             dataset = (
                 ray.data.read_binary_files(list(by_path), include_paths=True, ignore_missing_paths=True)
                 .map(_preprocess)
-                .map_batches(ModelActor, batch_size=4, batch_format="numpy", concurrency=actors,
-                             num_gpus=1 if gpus else 0, num_cpus=1,
+                .map_batches(ModelActor, batch_size=4, batch_format="numpy",
+                             compute=ray.data.ActorPoolStrategy(size=actors), num_gpus=1 if gpus else 0, num_cpus=1,
                              fn_constructor_kwargs={"checkpoint": checkpoint, "task": spec.task,
                                                     "prompt": spec.prompt, "max_new_tokens": spec.max_new_tokens})
             )
