@@ -1,10 +1,11 @@
 """`kimi-vision quantize IN_DIR OUT_DIR`: a bf16 checkpoint -> MXFP4 (`mxfp4-pack-quantized`).
 
 Every linear layer the quantization config targets and does not ignore (by default the K3
-config: in practice the routed experts) is replaced by `X.weight_packed` + `X.weight_scale`;
-all other tensors are copied unchanged. config.json gains a top-level `quantization_config` (where
-the published checkpoint has it), the safetensors index is rewritten, and every other file
-(tokenizer, preprocessor config, ...) is copied.
+config) is replaced by `X.weight_packed` + `X.weight_scale`; all other tensors are copied
+unchanged. Which tensors belong to linear layers is read off the models config.json describes
+(the KimiLinear trunk, the MoonViT tower and projector), built on the meta device. config.json
+gains a top-level `quantization_config` (where the published checkpoint has it), the safetensors
+index is rewritten, and every other file (tokenizer, preprocessor config, ...) is copied.
 
 Memory: write_checkpoint holds the whole output until it writes, so this is meant for
 checkpoints that fit in RAM (test and small models); the published K3 ships already packed.
@@ -69,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
         quant = K3_QUANTIZATION_CONFIG
 
     try:
-        tensors = quantize_tensors(_LazyTensors(ckpt), quant)
+        linear = _linear_modules(config)
+    except ValueError as e:
+        return _fail(f"{src / 'config.json'}: {e}")
+    try:
+        tensors = quantize_tensors(_LazyTensors(ckpt), quant, linear_modules=linear)
     except MXFP4Error as e:
         return _fail(str(e))
     packed = sorted(n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed"))
@@ -91,8 +96,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _linear_modules(config: dict) -> set[str]:
+    """Full checkpoint names of the nn.Linear layers of the models `config` describes: the trunk
+    (a `text_config`, tensors under `language_model.`; or a text-only config) and the vision tower
+    and projector (a `vision_config`)."""
+    import torch
+    from torch import nn
+
+    models: list[tuple[str, nn.Module]] = []
+    with torch.device("meta"):
+        if "text_config" in config or "linear_attn_config" in config:
+            from textcore.config import TextConfig
+            from textcore.model import MULTIMODAL_PREFIX, KimiLinearForCausalLM
+
+            prefix = MULTIMODAL_PREFIX if "text_config" in config else ""
+            models.append((prefix, KimiLinearForCausalLM(TextConfig.from_dict(config))))
+        if "vision_config" in config:
+            from vision.config import VisionConfig
+            from vision.encoder import PROJECTOR_PREFIX, TOWER_PREFIX
+            from vision.projector import Projector
+            from vision.tower import VisionTower
+
+            vision = VisionConfig.from_checkpoint_config(config)
+            models += [(TOWER_PREFIX, VisionTower(vision)), (PROJECTOR_PREFIX, Projector(vision))]
+    if not models:
+        raise ValueError("describes neither a KimiLinear trunk (text_config) nor a vision tower (vision_config)")
+    return {prefix + n for prefix, model in models for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 class _LazyTensors:
-    """A read-once mapping over a checkpoint's tensors, with `.shape(name)` from the headers."""
+    """A read-once mapping over a checkpoint's tensors (each is loaded when asked for)."""
 
     def __init__(self, ckpt):
         self._ckpt = ckpt
@@ -109,6 +142,3 @@ class _LazyTensors:
 
     def __getitem__(self, name: str):
         return self._ckpt.tensor(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._ckpt.shape(name)

@@ -312,8 +312,10 @@ def test_swapped_real_module_computes_the_quantised_product():
 
 def test_quantize_tensors_replaces_targeted_weights():
     g = torch.Generator().manual_seed(8)
-    tensors = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in k3_like_tree().state_dict().items()}
-    out = mxfp4.quantize_tensors(tensors, mxfp4.K3_QUANTIZATION_CONFIG)
+    tree = k3_like_tree()
+    tensors = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in tree.state_dict().items()}
+    linear = [n for n, m in tree.named_modules() if isinstance(m, nn.Linear)]
+    out = mxfp4.quantize_tensors(tensors, mxfp4.K3_QUANTIZATION_CONFIG, linear_modules=linear)
     experts = routed_expert_names()
     assert set(out) == (set(tensors) - {f"{n}.weight" for n in experts}) | {
         f"{n}.{s}" for n in experts for s in ("weight_packed", "weight_scale")
@@ -324,13 +326,18 @@ def test_quantize_tensors_replaces_targeted_weights():
     assert out["language_model.model.embed_tokens.weight"] is tensors["language_model.model.embed_tokens.weight"]
 
 
-def test_quantize_tensors_with_explicit_linear_modules():
+def test_quantize_tensors_takes_linear_layers_from_the_caller():
+    # A `Linear` target cannot be checked on bare tensors: only the named linear modules count,
+    # so a 2-D router or embedding weight is never packed by accident.
     config = {**mxfp4.K3_QUANTIZATION_CONFIG, "ignore": []}
-    tensors = {"a.weight": torch.ones(32, 32), "embed_tokens.weight": torch.ones(32, 32), "n.weight": torch.ones(32)}
-    assert set(mxfp4.quantize_tensors(tensors, config)) == {"a.weight_packed", "a.weight_scale", "embed_tokens.weight",
-                                                            "n.weight"}  # fmt: skip
-    out = mxfp4.quantize_tensors(tensors, config, linear_modules=["embed_tokens"])
-    assert set(out) == {"a.weight", "embed_tokens.weight_packed", "embed_tokens.weight_scale", "n.weight"}
+    tensors = {"a.weight": torch.ones(32, 32), "gate.weight": torch.ones(8, 32), "norm.weight": torch.ones(32)}
+    assert set(mxfp4.quantize_tensors(tensors, config, linear_modules=["a"])) == {
+        "a.weight_packed", "a.weight_scale", "gate.weight", "norm.weight"
+    }  # fmt: skip
+    by_name = {**config, "config_groups": {"g": {**config["config_groups"]["group_0"], "targets": ["re:.*gate$"]}}}
+    assert set(mxfp4.quantize_tensors(tensors, by_name, linear_modules=[])) == {
+        "a.weight", "gate.weight_packed", "gate.weight_scale", "norm.weight"
+    }  # fmt: skip
 
 
 def test_cpu_use_imports_neither_triton_nor_compressed_tensors():

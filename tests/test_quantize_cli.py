@@ -1,5 +1,5 @@
-"""`kimi-vision quantize`, run as a real process on real checkpoint directories, and the memory of
-a quantised checkpoint once loaded."""
+"""`kimi-vision quantize`, run as a real process on a real checkpoint (the tiny MoonViT tower +
+projector and the tiny KimiLinear trunk, bf16), and the memory of the quantised trunk once loaded."""
 
 import json
 import re
@@ -9,15 +9,22 @@ import sys
 import pytest
 import torch
 from conftest import REPO_ROOT
-from k3_module_tree import k3_like_tree, routed_expert_names
 from safetensors import safe_open
+from torch import nn
 
 from service.cli import main as cli_main
+from service.make_checkpoint import vision_part
 from textcore import mxfp4
+from textcore.config import tiny
+from textcore.model import MULTIMODAL_PREFIX, KimiLinearForCausalLM, random_weights
 from vision.checkpoint import INDEX_FILE, Checkpoint, write_checkpoint
 
-CONFIG = {"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", "hidden_size": 64}}
 EXTRA_FILES = {"tiktoken.model": b"\x00\x01 not json \xff", "tokenizer_config.json": b'{"a": 1}\n'}
+# What the K3 ignore list leaves packed in this trunk, by name (independent of the module code):
+# the routed experts and the latent MoE projections around them (nn.Linear, not ignored).
+PACKED = re.compile(
+    r"language_model\.model\.layers\.\d+\.block_sparse_moe\.(experts\.\d+\.w[123]|routed_expert_(down|up)_proj)$"
+)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -26,40 +33,42 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=300,
     )
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """(source tensors, source dir, converted dir): the K3-like tree in bf16, several shards."""
+    """(source tensors, source dir, converted dir) for a multimodal bf16 checkpoint in several shards."""
     root = tmp_path_factory.mktemp("quantize")
-    g = torch.Generator().manual_seed(0)
-    tensors = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in k3_like_tree().state_dict().items()}
-    src = write_checkpoint(root / "bf16", tensors, CONFIG, max_shard_bytes=40_000)
+    vision = vision_part("tiny", 0)
+    tensors = {**vision.tensors, **random_weights(tiny(), seed=0, dtype=torch.bfloat16)}
+    config = {**vision.config, "text_config": tiny().to_dict()}
+    src = write_checkpoint(root / "bf16", tensors, config, json_files=vision.json_files, max_shard_bytes=8 << 20)
     for name, data in EXTRA_FILES.items():
         (src / name).write_bytes(data)
-    result = _cli(src, root / "mxfp4", "--max-shard-bytes", "30000")
+    result = _cli(src, root / "mxfp4", "--max-shard-bytes", str(6 << 20))
     assert result.returncode == 0, result.stderr
-    assert "quantized 24 linear layers" in result.stdout
     return tensors, src, root / "mxfp4"
 
 
-def test_converter_packs_the_routed_experts_and_copies_the_rest(converted):
-    tensors, _, out = converted
+def test_converter_packs_what_the_config_targets_and_copies_the_rest(converted):
+    tensors, src, out = converted
     ckpt = Checkpoint(out)
-    assert ckpt.config == {**CONFIG, "quantization_config": mxfp4.K3_QUANTIZATION_CONFIG}
-    experts = routed_expert_names()
-    for name in experts:
-        packed, scale = mxfp4.quantize(tensors[f"{name}.weight"])
-        assert torch.equal(ckpt.tensor(f"{name}.weight_packed"), packed)
-        assert torch.equal(ckpt.tensor(f"{name}.weight_scale"), scale)
-    kept = set(tensors) - {f"{n}.weight" for n in experts}
-    assert set(ckpt.names()) == kept | {f"{n}.{s}" for n in experts for s in ("weight_packed", "weight_scale")}
-    for name in kept:
+    assert ckpt.config == {**Checkpoint(src).config, "quantization_config": mxfp4.K3_QUANTIZATION_CONFIG}
+    packed = {n.removesuffix(".weight") for n in tensors if PACKED.match(n.removesuffix(".weight"))}
+    assert any(".experts." in n for n in packed) and any("routed_expert_up_proj" in n for n in packed)
+    for name in packed:
+        q, s = mxfp4.quantize(tensors[f"{name}.weight"])
+        assert torch.equal(ckpt.tensor(f"{name}.weight_packed"), q) and torch.equal(
+            ckpt.tensor(f"{name}.weight_scale"), s
+        )
+    kept = set(tensors) - {f"{n}.weight" for n in packed}
+    assert set(ckpt.names()) == kept | {f"{n}.{s}" for n in packed for s in ("weight_packed", "weight_scale")}
+    for name in kept:  # attention, shared experts, dense FFN, router, lm_head, embeddings, vision, projector
         assert torch.equal(ckpt.tensor(name), tensors[name]), name
-    for name, data in EXTRA_FILES.items():
-        assert (out / name).read_bytes() == data
+    for name in [*EXTRA_FILES, "preprocessor_config.json"]:
+        assert (out / name).read_bytes() == (src / name).read_bytes()
 
 
 def test_converter_writes_a_correct_index(converted):
@@ -78,29 +87,28 @@ def test_converter_writes_a_correct_index(converted):
     assert index["metadata"]["total_size"] == total
 
 
-def test_loaded_checkpoint_keeps_routed_experts_packed(converted):
+def test_loaded_trunk_keeps_routed_experts_packed(converted):
     tensors, _, out = converted
-    ckpt = Checkpoint(out)
-    tree = k3_like_tree(device="meta")
-    swapped = mxfp4.apply_quantization_config(tree, ckpt.config["quantization_config"])
-    ckpt.load_into(tree, "")
-    assert swapped == routed_expert_names()
-    held = bf16 = 0
-    for name in swapped:
-        layer = tree.get_submodule(name)
-        assert all(not t.is_floating_point() for t in layer.state_dict().values()), name
-        held += sum(t.untyped_storage().nbytes() for t in (layer.weight_packed, layer.weight_scale))
-        bf16 += layer.out_features * layer.in_features * 2
-    assert held / bf16 == pytest.approx(4.25 / 16, rel=1e-6)
-    # ... and the loaded layers compute with the weights the converter packed.
-    name = swapped[5]
-    x = torch.randn(3, tree.get_submodule(name).in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    reference = x.float() @ mxfp4.dequantize(*mxfp4.quantize(tensors[f"{name}.weight"])).float().T
-    torch.testing.assert_close(tree.get_submodule(name)(x).float(), reference, rtol=2**-8, atol=1e-6)
-    attention = tree.language_model.model.layers[1].self_attn.q_proj
-    assert attention.weight.dtype == torch.bfloat16 and torch.equal(
-        attention.weight, tensors["language_model.model.layers.1.self_attn.q_proj.weight"]
-    )
+    model = KimiLinearForCausalLM.from_checkpoint(out)
+    experts = {
+        n: m for n, m in model.named_modules() if ".experts." in n and isinstance(m, (nn.Linear, mxfp4.MXFP4Linear))
+    }
+    assert experts and all(isinstance(m, mxfp4.MXFP4Linear) for m in experts.values())
+    held = sum(t.untyped_storage().nbytes() for m in experts.values() for t in m.state_dict().values())
+    as_bf16 = sum(m.out_features * m.in_features * 2 for m in experts.values())
+    assert held / as_bf16 == pytest.approx(4.25 / 16, rel=1e-9)  # measured on the loaded buffers
+    assert not any(t.is_floating_point() for m in experts.values() for t in m.state_dict().values())
+    # The loaded layers compute with exactly the weights the converter packed ...
+    name, layer = next(iter(experts.items()))
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    w = mxfp4.dequantize(*mxfp4.quantize(tensors[f"{MULTIMODAL_PREFIX}{name}.weight"])).float()
+    torch.testing.assert_close(layer(x).float(), x.float() @ w.T, rtol=2**-8, atol=1e-6)
+    # ... and exactly the targeted layers are packed; the rest stays bf16.
+    for name, m in model.named_modules():
+        if isinstance(m, mxfp4.MXFP4Linear):
+            assert PACKED.match(MULTIMODAL_PREFIX + name), name
+        elif isinstance(m, nn.Linear):
+            assert not PACKED.match(MULTIMODAL_PREFIX + name) and m.weight.dtype == torch.bfloat16, name
 
 
 def test_converter_refuses_bad_inputs_with_clear_errors(converted, tmp_path, capsys):
@@ -110,12 +118,15 @@ def test_converter_refuses_bad_inputs_with_clear_errors(converted, tmp_path, cap
         ((out, tmp_path / "again"), "already quantized"),
         ((tmp_path / "missing", tmp_path / "x"), "checkpoint directory not found"),
     ]
-    odd = write_checkpoint(tmp_path / "odd", {"m.experts.0.w1.weight": torch.ones(32, 48)}, {})
-    cases.append(((odd, tmp_path / "odd_out"), "m.experts.0.w1.weight: in_features 48 .* not divisible by 32"))
+    unknown = write_checkpoint(tmp_path / "unknown", {"m.w1.weight": torch.ones(32, 48)}, {"model_type": "x"})
+    cases.append(((unknown, tmp_path / "u_out"), "describes neither a KimiLinear trunk"))
     bad_config = tmp_path / "q.json"
     group = {**mxfp4.K3_QUANTIZATION_CONFIG["config_groups"]["group_0"], "format": "nvfp4-pack-quantized"}
     bad_config.write_text(json.dumps({**mxfp4.K3_QUANTIZATION_CONFIG, "config_groups": {"group_0": group}}))
     cases.append(((src, tmp_path / "y", "--config", bad_config), "only 'mxfp4-pack-quantized' is supported"))
+    every_linear = tmp_path / "all.json"  # reaches layers narrower than a group (tiny low-rank projections)
+    every_linear.write_text(json.dumps({**mxfp4.K3_QUANTIZATION_CONFIG, "ignore": []}))
+    cases.append(((src, tmp_path / "z", "--config", every_linear), r"\.weight: in_features \d+ .* not divisible by 32"))
     for args, message in cases:  # in-process through the same entry point (a process start costs seconds)
         assert cli_main(["quantize", *map(str, args)]) == 2, args
         stderr = capsys.readouterr().err

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -41,11 +41,6 @@ _ROUND_UP_FROM = (0.75, 1.75, 3.5)
 # Tensor-name suffixes of a quantised layer in a checkpoint.
 PACKED_SUFFIX = "weight_packed"
 SCALE_SUFFIX = "weight_scale"
-
-# Without module classes (bare checkpoint tensors) a `Linear` target cannot be checked by class.
-# Then every 2-D floating `X.weight` counts as a linear layer except token-embedding tables,
-# the one 2-D non-linear weight kind in the KimiLinear / MoonViT checkpoints.
-EMBEDDING_MODULE = re.compile(r"(^|\.)(embed_tokens|embeddings|word_embeddings|wte)$")
 
 # The published K3 config (K3_FACTS section 5): weight-only MXFP4 on every Linear except the
 # ignored ones, which in practice leaves only the routed experts' w1/w2/w3 packed.
@@ -439,26 +434,20 @@ def quantized_modules(
     quantization_config: Mapping[str, Any],
     shapes: Mapping[str, tuple[int, ...]],
     *,
-    linear_modules: Collection[str] | None = None,
+    linear_modules: Collection[str],
 ) -> list[str]:
-    """Module names (sorted) whose `X.weight` the config quantises, from checkpoint tensor names alone.
+    """Module names (sorted) whose `X.weight` the config quantises, from checkpoint tensor names.
 
-    `linear_modules` names the nn.Linear layers exactly (e.g. from a meta-device model); without
-    it a `Linear` target means every 2-D floating `X.weight` except token-embedding tables
-    (EMBEDDING_MODULE), as class targets cannot be checked on bare tensors.
+    Class targets such as `Linear` cannot be checked on bare tensors, so `linear_modules` names
+    the nn.Linear layers (full checkpoint names, e.g. from the models built on the meta device).
+    `shapes` is accepted for callers that have it; the decision needs only the names.
     """
     groups, ignore = _mxfp4_groups(quantization_config)
-    linear = set(linear_modules) if linear_modules is not None else None
+    linear = set(linear_modules)
     chosen = []
     for tensor_name in names:
         module_name, _, param = tensor_name.rpartition(".")
-        if param != "weight":
-            continue
-        if linear is not None:
-            is_linear = module_name in linear
-        else:
-            is_linear = len(shapes[tensor_name]) == 2 and not EMBEDDING_MODULE.search(module_name)
-        if _is_quantized(module_name, None, is_linear, groups, ignore):
+        if param == "weight" and _is_quantized(module_name, None, module_name in linear, groups, ignore):
             chosen.append(module_name)
     return sorted(chosen)
 
@@ -467,14 +456,13 @@ def quantize_tensors(
     tensors: Mapping[str, torch.Tensor],
     quantization_config: Mapping[str, Any],
     *,
-    linear_modules: Collection[str] | None = None,
+    linear_modules: Collection[str],
 ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors with every quantised layer's `X.weight` replaced by `X.weight_packed` and
     `X.weight_scale` (other tensors unchanged). Each tensor of `tensors` is read once, so a lazy
     mapping over a checkpoint is never held twice. See `quantized_modules` for `linear_modules`."""
     names = list(tensors.keys())
-    shapes = _ShapeView(tensors)
-    targets = set(quantized_modules(names, quantization_config, shapes, linear_modules=linear_modules))
+    targets = set(quantized_modules(names, quantization_config, {}, linear_modules=linear_modules))
     out: dict[str, torch.Tensor] = {}
     for name in names:
         module_name, _, param = name.rpartition(".")
@@ -491,22 +479,3 @@ def quantize_tensors(
         else:
             out[name] = tensors[name]
     return out
-
-
-class _ShapeView(Mapping):
-    """Shapes of a tensor mapping, asking a lazy mapping for `.shape(name)` when it offers one."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self._tensors = tensors
-
-    def __getitem__(self, name: str) -> tuple[int, ...]:
-        shape_of = getattr(self._tensors, "shape", None)
-        if callable(shape_of):
-            return tuple(shape_of(name))
-        return tuple(self._tensors[name].shape)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
