@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     print("kimi-vision demo: starting the gRPC service in this process ...", flush=True)
     start = time.perf_counter()
+    handle = ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=args.checkpoint, devices=args.devices))
     try:
-        handle = ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=args.checkpoint, devices=args.devices))
         handle.wait_ready()
     except Exception as exc:  # noqa: BLE001 - a bad checkpoint or device spec is reported, not a traceback
+        handle.stop()
         print(f"error: the service did not start: {exc}", file=sys.stderr)
         return 1
     engine = handle.engine

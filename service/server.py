@@ -59,6 +59,10 @@ class ServerConfig:
     max_queue: int = 32  # RPCs waiting for a slot; more -> RESOURCE_EXHAUSTED
     drain_grace_s: float = 30.0
     ec_export_dir: str | None = None  # where Encode(export_vllm_ec) may write
+    # Seams for transport security: TLS credentials (None = plaintext) and interceptors that run
+    # before every handler (e.g. authentication), in order.
+    credentials: grpc.ServerCredentials | None = None
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +208,14 @@ def _tensor_bytes(t: torch.Tensor, dtype: str) -> bytes:
     return t.numpy().tobytes()
 
 
+def _pixels_tensor(pre: Any, patches: bool) -> pb.Tensor:
+    """The model input as a Tensor: float32 patches [N, 3, 14, 14] (built here, on first use) or the
+    padded uint8 image [H, W, 3]."""
+    array, dtype = (pre.pixel_values, "float32") if patches else (pre.image, "uint8")
+    little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=little_endian.tobytes())
+
+
 def _out_dtype(name: str) -> str:
     name = name or "float32"
     if name not in _TORCH_DTYPES:
@@ -256,11 +268,8 @@ class VisionService(pb_grpc.VisionServiceServicer):
                 num_tokens=pre.num_tokens, prompt=pre.prompt,
             )
             if request.return_pixels:
-                if request.pixel_format == pb.PreprocessRequest.PIXEL_FORMAT_FLOAT32_PATCHES:
-                    array, dtype = pre.pixel_values, "float32"
-                else:
-                    array, dtype = pre.image, "uint8"
-                reply.pixel_values.CopyFrom(pb.Tensor(dtype=dtype, shape=list(array.shape), data=array.tobytes()))
+                patches = request.pixel_format == pb.PreprocessRequest.PIXEL_FORMAT_FLOAT32_PATCHES
+                reply.pixel_values.CopyFrom(await engine.run_cpu(_pixels_tensor, pre, patches))
             self._server.metrics.tokens.labels(kind="image").inc(pre.num_tokens)
             return reply
 
@@ -476,7 +485,7 @@ class VisionServer:
     async def start(self) -> int:
         """Bind and start serving (health NOT_SERVING until the engine is warm). Returns the port."""
         cfg = self.config
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=cfg.interceptors, options=[
             ("grpc.max_receive_message_length", cfg.max_receive_bytes),
             ("grpc.max_send_message_length", cfg.max_send_bytes),
             ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
@@ -487,7 +496,8 @@ class VisionServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
         try:
-            self.port = server.add_insecure_port(address)
+            self.port = (server.add_secure_port(address, cfg.credentials) if cfg.credentials
+                         else server.add_insecure_port(address))
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {address}: {exc}") from None
         await server.start()
