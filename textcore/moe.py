@@ -104,7 +104,7 @@ class LatentMoE(nn.Module):
             if n:
                 rows = token_of[start:start + n]
                 y = self.experts[e](z[rows])
-                routed.index_add_(0, rows, y.float() * weight_of[start:start + n, None])
+                routed[rows] += y.float() * weight_of[start:start + n, None]  # a token meets an expert once
                 start += n
         out = self.routed_expert_up_proj(self.routed_expert_norm(routed.to(z.dtype)))
         return (out + self.shared_experts(flat)).reshape(shape)
