@@ -7,6 +7,7 @@ splits the projector output back into one `[num_tokens, text_hidden]` tensor per
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,9 @@ def model_input(item: Any) -> tuple[torch.Tensor, Grid]:
     else:
         raise TypeError(f"expected a vision.Preprocessed or a (pixel_values, grid_thw) pair, got {type(item).__name__}")
     if isinstance(pixels, np.ndarray):
-        pixels = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
+        with warnings.catch_warnings():  # read-only arrays are fine: the tower never writes its input
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            pixels = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
     if not isinstance(pixels, torch.Tensor):
         raise TypeError(f"pixel_values must be a numpy array or a tensor, got {type(pixels).__name__}")
     grid = tuple(int(v) for v in grid)

@@ -185,8 +185,8 @@ class EncoderPool:
             ckpt.close()
         self.checkpoint_dir = str(ckpt.path)
         self.devices = resolve_devices(devices, workers)
-        cpu_workers = sum(d == "cpu" for d in self.devices)
-        self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        # Split the cores between workers: oversubscribed OpenMP threads spin and lose badly.
+        self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.devices))
         self._dtype = dtype
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()
@@ -261,7 +261,8 @@ class EncoderPool:
         }
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every worker (graceful, then terminate, then kill) and fail what is still queued."""
+        """Stop every worker and reap it. Workers first finish what is already queued (up to
+        `timeout_s`), then are terminated, then killed; images left unanswered fail."""
         with self._lock:
             if self._closed:
                 return
