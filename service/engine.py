@@ -257,30 +257,32 @@ class Engine:
     def image_key(self, image: ImageInput) -> str:
         return content_hash(image.data, image.options.key(), self.checkpoint_id)
 
-    async def embed_images(self, images: Sequence[ImageInput], cancelled: threading.Event) -> list[ImageEmbedding]:
-        """Embeddings of `images` in order: cache hits first, the rest preprocessed then encoded on
-        the pool (all submitted before any is awaited, so they spread over the workers)."""
-        out: list[ImageEmbedding | None] = []
-        misses: list[tuple[int, ImageInput, str]] = []
-        for i, image in enumerate(images):
-            key = self.image_key(image)
+    async def embed_images(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
+        """Embeddings of `images` in order. Cache hits are served as they are; each distinct missing
+        image is preprocessed once and all of them are submitted to the pool before any is awaited,
+        so they spread over the workers. (Work already queued on the pool cannot be withdrawn; a
+        cancelled RPC stops before submitting.)"""
+        keys = [self.image_key(image) for image in images]
+        found: dict[str, ImageEmbedding] = {}
+        missing: dict[str, ImageInput] = {}
+        for key, image in zip(keys, images, strict=True):
+            if key in found or key in missing:
+                continue
             hit = self.cache.get(key)
             self.metrics.cache_lookups.labels(result="hit" if hit else "miss").inc()
-            out.append(dataclasses.replace(hit, cached=True) if hit else None)
             if hit is None:
-                misses.append((i, image, key))
-        if misses:
-            pres = await asyncio.gather(*(self.run_cpu(self.preprocess, image) for _, image, _ in misses))
-            if cancelled.is_set():
-                raise asyncio.CancelledError
-            futures = [asyncio.wrap_future(self.pool.submit(pre)) for pre in pres]
-            rows = await asyncio.gather(*futures)
-            for (i, _, key), pre, r in zip(misses, pres, rows, strict=True):
-                emb = ImageEmbedding(key, r, tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens), pre.prompt)
-                self.cache.put(key, emb)
-                out[i] = emb
+                missing[key] = image
+            else:
+                found[key] = dataclasses.replace(hit, cached=True)
+        if missing:
+            pres = await asyncio.gather(*(self.run_cpu(self.preprocess, image) for image in missing.values()))
+            rows = await asyncio.gather(*(asyncio.wrap_future(self.pool.submit(pre)) for pre in pres))
+            for key, pre, r in zip(missing, pres, rows, strict=True):
+                found[key] = ImageEmbedding(key, r, tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens),
+                                            pre.prompt)
+                self.cache.put(key, found[key])
             self.metrics.cache_bytes.set(self.cache.nbytes)
-        return out  # type: ignore[return-value]
+        return [found[key] for key in keys]
 
     def export_vllm_ec(self, embeddings: Sequence[ImageEmbedding], directory: Path, dtype: torch.dtype) -> list[Path]:
         """Write each image's rows (cast to `dtype`: the consumer's activation dtype, usually bf16)."""

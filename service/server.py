@@ -247,11 +247,11 @@ class VisionService(pb_grpc.VisionServiceServicer):
     def _config(self) -> ServerConfig:
         return self._server.config
 
-    async def _embed(self, images: Sequence[ImageInput], cancelled: threading.Event) -> list[ImageEmbedding]:
+    async def _embed(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
         engine = self._engine
         sizes = await engine.run_cpu(engine.image_sizes, images)
         _check_pixels(sizes, self._config)
-        return await engine.embed_images(images, cancelled)
+        return await engine.embed_images(images)
 
     # -- unary --------------------------------------------------------------------------------
 
@@ -294,10 +294,10 @@ class VisionService(pb_grpc.VisionServiceServicer):
     # -- streams ------------------------------------------------------------------------------
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
-        async with self._server.call("Embed", context) as cancelled:
+        async with self._server.call("Embed", context):
             dtype = _out_dtype(request.dtype)
             image = _Images(self._config).add(request.image, "image")
-            (emb,) = await self._embed([image], cancelled)
+            (emb,) = await self._embed([image])
             data = await self._engine.run_cpu(_tensor_bytes, emb.rows, dtype)
             header = pb.EmbedHeader(
                 num_tokens=emb.num_tokens, hidden_size=emb.rows.shape[1], dtype=dtype, shape=list(emb.rows.shape),
@@ -311,14 +311,14 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Encode(self, request: pb.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EncodeChunk]:
-        async with self._server.call("Encode", context) as cancelled:
+        async with self._server.call("Encode", context):
             dtype = _out_dtype(request.dtype)
             export_dir = self._config.ec_export_dir
             if request.export_vllm_ec and not export_dir:
                 raise errors.NotConfigured("export_vllm_ec needs the server to run with --ec-export-dir")
             chat = _chat(request.messages, request.tools_json, request.thinking_effort, request.chat_kwargs_json,
                          self._config, generation=False)
-            embeddings = await self._embed(chat.images, cancelled)
+            embeddings = await self._embed(chat.images)
             engine = self._engine
             expanded = await engine.run_cpu(engine.expanded_prompt, chat, embeddings)
             ec_paths = [""] * len(embeddings)
@@ -351,7 +351,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
             chat = _chat(request.messages, request.tools_json, request.thinking_effort, request.chat_kwargs_json,
                          self._config, generation=True)
             params = _sampling(request, engine.config)
-            embeddings = await self._embed(chat.images, cancelled)
+            embeddings = await self._embed(chat.images)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
 

@@ -266,6 +266,15 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
         torch.testing.assert_close(embeds[span.offset:span.offset + span.length], ref, rtol=0, atol=0)
 
 
+def test_same_image_twice_in_one_request(client):
+    data = _png(42, 42, seed=11)
+    encoded = client.encode([user("a", data, "b", data)])
+    first, second = encoded.header.spans
+    assert first.content_hash == second.content_hash and first.length == second.length == 4
+    assert second.offset > first.offset + first.length  # "b" sits between them
+    np.testing.assert_array_equal(encoded.embeddings[:4], encoded.embeddings[4:])
+
+
 def test_encode_writes_vllm_encoder_cache(client, export_dir):
     data = _png(70, 70, seed=8)
     encoded = client.encode([user("x", data)], export_vllm_ec=True)
