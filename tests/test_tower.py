@@ -80,6 +80,7 @@ def test_position_grid_as_is_at_64x64_and_bilinear_otherwise():
         pos.weight.copy_(torch.randn(64, 64, 8, dtype=torch.float64).float())
     same = pos(1, 64, 64)
     assert torch.equal(same, pos.weight.flatten(0, 1))  # raster order, untouched
+    assert same.data_ptr() == pos.weight.data_ptr()  # the grid itself, no resampling pass
     grid = pos.weight.detach().double().numpy()
     for h, w in [(6, 10), (100, 30), (64, 2), (512, 512)]:
         got = pos(1, h, w).detach().numpy().reshape(h, w, 8)
