@@ -55,12 +55,14 @@ def test_layer_kinds_follow_the_one_based_lists():
     assert TextConfig.from_dict({"text_config": t.to_dict()}) == t
 
 
-def test_incremental_decode_matches_full_forward(model, ids, full_logits):
-    """Prefill 4 tokens, then decode one at a time through every KDA and MLA layer (chunked vs
-    recurrent KDA, expanded vs absorbed MLA) and all three AttnRes blocks."""
+@pytest.mark.parametrize("prefill", [1, 4])
+def test_incremental_decode_matches_full_forward(model, ids, full_logits, prefill):
+    """Prefill (1 token: shorter than the conv window, through the decode path itself; or 4), then
+    decode one token at a time through every KDA and MLA layer (chunked vs recurrent KDA, expanded
+    vs absorbed MLA) and all three AttnRes blocks."""
     cache = model.new_cache(2)
-    steps = [model(ids[:, :4], cache=cache)]
-    steps += [model(ids[:, t:t + 1], cache=cache) for t in range(4, ids.shape[1])]
+    steps = [model(ids[:, :prefill], cache=cache)]
+    steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prefill, ids.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), full_logits, atol=1e-4, rtol=0)
     assert cache.length == ids.shape[1]
 
