@@ -8,7 +8,6 @@ what the vLLM encoder-cache export uses as its folder name.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -43,12 +42,13 @@ def checkpoint_identity(directory: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def content_hash(data: bytes, options: dict, checkpoint_id: str) -> str:
-    """The cache key of one image: sha256 over checkpoint id, canonical options JSON and bytes."""
+def content_hash(data: bytes, options_key: str, checkpoint_id: str) -> str:
+    """The cache key of one image: sha256 over the checkpoint id, the preprocessing options'
+    canonical string (`vision.options_key`, which carries the preprocessing version) and the bytes."""
     h = hashlib.sha256()
     h.update(checkpoint_id.encode())
     h.update(b"\0")
-    h.update(json.dumps(options, sort_keys=True, separators=(",", ":")).encode())
+    h.update(options_key.encode())
     h.update(b"\0")
     h.update(data)
     return h.hexdigest()

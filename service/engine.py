@@ -10,10 +10,11 @@ processes. Blocking methods here are called from those executors, never from the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from service import errors
 from service.ec_export import write_ec
 from service.embed_cache import EmbedCache, checkpoint_identity, content_hash
 from service.metrics import Metrics
@@ -50,7 +50,7 @@ class ImageOptions:
 class ImageInput:
     data: bytes
     options: ImageOptions = ImageOptions()
-    where: str = "image"  # names the image in error messages
+    where: str = ""  # where a chat holds it ("messages[0].content[1]"), prefixed to its errors
 
 
 @dataclass
@@ -132,6 +132,19 @@ def decodable_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
     mask[:tokenizer.num_base_tokens] = True
     mask[NUM_BASE_TOKENS:tokenizer.vocab_size] = True
     return mask
+
+
+@contextlib.contextmanager
+def _named(image: ImageInput) -> Iterator[None]:
+    """Prefix an image error with where the image sits in the request (same error class)."""
+    from vision.errors import ImageError
+
+    try:
+        yield
+    except ImageError as exc:
+        if not image.where:
+            raise
+        raise type(exc)(f"{image.where}: {exc}") from None
 
 
 class Engine:
@@ -222,8 +235,9 @@ class Engine:
         from vision import preprocess_image
 
         o = image.options
-        return preprocess_image(image.data, max_tokens=o.max_tokens, exif_transpose=o.exif_transpose,
-                                resize=o.resize, limits=self.limits)
+        with _named(image):
+            return preprocess_image(image.data, max_tokens=o.max_tokens, exif_transpose=o.exif_transpose,
+                                    resize=o.resize, limits=self.limits)
 
     def image_sizes(self, images: Sequence[ImageInput]) -> list[tuple[int, int]]:
         """Decoded (width, height) of each image from its header alone (limits checked)."""
@@ -231,7 +245,8 @@ class Engine:
 
         sizes = []
         for image in images:
-            handle, header = open_header(image.data, self.limits)
+            with _named(image):
+                handle, header = open_header(image.data, self.limits)
             handle.close()
             sizes.append(header.size)
         return sizes
@@ -243,9 +258,8 @@ class Engine:
         from vision.preprocess import PROMPT_TEMPLATE
 
         o = image.options
-        if o.resize not in ("exact", "fast"):
-            raise errors.BadRequest(f"resize must be 'exact' or 'fast', got {o.resize!r}")
-        handle, header = open_header(image.data, self.limits, exif_transpose=o.exif_transpose)
+        with _named(image):
+            handle, header = open_header(image.data, self.limits, exif_transpose=o.exif_transpose)
         handle.close()
         plan = plan_size(*oriented_size(header), o.max_tokens)
         w, h = plan.orig_size

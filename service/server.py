@@ -127,22 +127,24 @@ class _Images:
         self.config = config
         self.items: list[ImageInput] = []
 
-    def add(self, image: pb.Image, where: str) -> ImageInput:
+    def add(self, image: pb.Image, where: str = "") -> ImageInput:
+        """`where` locates the image in a chat (empty for the single-image RPCs)."""
         cfg = self.config
+        label = where or "image"
         if len(self.items) >= cfg.max_images:
             raise errors.BadRequest(f"too many images: this server takes at most {cfg.max_images} per request")
         mime = image.mime_type.strip().lower()
         if mime.startswith("video/"):
-            raise errors.Unsupported(f"{where}: video ({mime}) is not supported; Kimi-K3 takes images only")
+            raise errors.Unsupported(f"{label}: video ({mime}) is not supported; Kimi-K3 takes images only")
         if mime and not mime.startswith("image/"):
-            raise errors.Unsupported(f"{where}: media type {mime!r} is not supported; send an image")
+            raise errors.Unsupported(f"{label}: media type {mime!r} is not supported; send an image")
         if not image.data:
-            raise errors.BadRequest(f"{where}: image data is empty")
+            raise errors.BadRequest(f"{label}: image data is empty")
         if len(image.data) > cfg.max_image_bytes:
-            raise errors.BadRequest(f"{where}: image is {len(image.data)} bytes; the limit is {cfg.max_image_bytes}")
+            raise errors.BadRequest(f"{label}: image is {len(image.data)} bytes; the limit is {cfg.max_image_bytes}")
         resize = image.options.resize or "exact"
         if resize not in ("exact", "fast"):
-            raise errors.BadRequest(f"{where}: options.resize must be 'exact' or 'fast', got {resize!r}")
+            raise errors.BadRequest(f"{label}: options.resize must be 'exact' or 'fast', got {resize!r}")
         options = ImageOptions(exif_transpose=image.options.exif_transpose,
                                max_tokens=image.options.max_tokens or None, resize=resize)
         item = ImageInput(data=image.data, options=options, where=where)
@@ -258,7 +260,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
     async def Preprocess(self, request: pb.PreprocessRequest,
                          context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
         async with self._server.call("Preprocess", context):
-            image = _Images(self._config).add(request.image, "image")
+            image = _Images(self._config).add(request.image)
             engine = self._engine
             _check_pixels(await engine.run_cpu(engine.image_sizes, [image]), self._config)
             pre = await engine.run_cpu(engine.preprocess, image)
@@ -279,7 +281,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
             engine = self._engine
             which = request.WhichOneof("input")
             if which == "image":
-                image = _Images(self._config).add(request.image, "image")
+                image = _Images(self._config).add(request.image)
                 n = await engine.run_cpu(engine.count_image_tokens, image)
                 return pb.CountTokensResponse(num_tokens=n, image_tokens=[n])
             if which == "chat":
@@ -296,7 +298,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
         async with self._server.call("Embed", context):
             dtype = _out_dtype(request.dtype)
-            image = _Images(self._config).add(request.image, "image")
+            image = _Images(self._config).add(request.image)
             (emb,) = await self._embed([image])
             data = await self._engine.run_cpu(_tensor_bytes, emb.rows, dtype)
             header = pb.EmbedHeader(

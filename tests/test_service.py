@@ -361,6 +361,8 @@ def test_invalid_argument_names_the_problem(client):
     assert "Traceback" not in err.details()
     err = _code(lambda: client.embed(_png(10, 10), dtype="int4"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.details()
+    err = _code(lambda: client.encode([user("look", _png(28, 28), b"GIF89a-truncated")]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].content[2]" in err.details()
     err = _code(lambda: client.encode([user(*[_png(28, 28, i) for i in range(5)])]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many images" in err.details()
     err = _code(lambda: client.encode([pb.ChatMessage(role="robot", content=[pb.ContentPart(text="hi")])]))
