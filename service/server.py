@@ -463,6 +463,8 @@ class VisionServer:
         try:
             if self.draining:
                 raise errors.Unavailable("server is draining; retry on another instance")
+            if self.load_error is not None:
+                raise errors.Unavailable("server failed to load its model (see the server log); use another instance")
             if not self.ready.is_set():
                 raise errors.Unavailable("server is warming up; retry shortly")
             remaining = context.time_remaining()

@@ -155,6 +155,21 @@ def test_health_and_reflection(server, client):
     assert service.name == "kimi/vision/v1/vision.proto"
 
 
+def test_not_serving_until_warm(tmp_path):
+    """A server whose model cannot load never becomes SERVING and refuses work with UNAVAILABLE."""
+    handle = ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(tmp_path / "missing")))
+    try:
+        with VisionClient(handle.target, timeout=30) as c:
+            assert c.health() == "NOT_SERVING"
+            with pytest.raises(Exception, match="does not exist"):
+                handle.wait_ready()
+            assert c.health() == "NOT_SERVING"
+            err = _code(lambda: c.count_tokens(_png(28, 28)))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "failed to load" in err.details()
+    finally:
+        handle.stop()
+
+
 # ---------------------------------------------------------------------------------------------
 # Preprocess / CountTokens
 
