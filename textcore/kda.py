@@ -24,6 +24,7 @@ CHUNK = 64  # tokens per chunk in chunk_kda
 SUB_CHUNK = 32  # rows sharing one reference point when in-chunk decays are factorised
 SLAB = 8  # chunks whose S-independent parts are computed together (bounds the memory)
 LOG_DECAY_MIN = -5.0  # chunk_kda accepts g in [LOG_DECAY_MIN, 0]; the K3 gate is bounded at -5
+A_LOG_ALIGN = 128  # published A_log: [ceil(heads / 128) * 128], zero beyond the heads (SGLang, NeMo ports)
 L2_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum x^2 + eps), as the reference kernel does
 
 
@@ -236,7 +237,8 @@ class KimiDeltaAttention(nn.Module):
         self.k_conv1d = ShortConv(proj, cfg.short_conv_kernel_size)
         self.v_conv1d = ShortConv(proj, cfg.short_conv_kernel_size)
         self.f_a_proj, self.f_b_proj = lin(hidden, D), lin(D, proj)
-        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        # per-head decay rate; the checkpoint stores it zero-padded to a multiple of A_LOG_ALIGN
+        self.A_log = nn.Parameter(torch.zeros(-(-H // A_LOG_ALIGN) * A_LOG_ALIGN, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(proj, dtype=torch.float32))
         self.b_proj = lin(hidden, H)
         self.g_proj = lin(hidden, proj)  # full-rank output gate
@@ -261,7 +263,8 @@ class KimiDeltaAttention(nn.Module):
             outs.append(y.view(B, T, H, D))
         q, k, v = l2_normalize(outs[0]), l2_normalize(outs[1]), outs[2]
         raw = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, H, D)
-        g = self.gate_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * (raw + self.dt_bias.view(H, D)))
+        rate = self.A_log[:H].float().exp()[:, None]  # [H, 1]
+        g = self.gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias.view(H, D)))  # in [bound, 0)
         beta = torch.sigmoid(self.b_proj(x).float())
         if pad_mask is not None:
             g = g.masked_fill(pad_mask[..., None, None], 0)

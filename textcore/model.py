@@ -11,8 +11,9 @@ layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoin
     model.norm.weight                                 model.output_attn_res_{norm,proj}.weight
     model.layers.{i}.input_layernorm.weight           model.layers.{i}.post_attention_layernorm.weight
     model.layers.{i}.self_attention_res_{norm,proj}.weight, model.layers.{i}.mlp_res_{norm,proj}.weight
-    KDA  model.layers.{i}.self_attn.{q,k,v,g,b,f_a,f_b,o}_proj.weight, {q,k,v}_conv1d.weight,
-         A_log, dt_bias, o_norm.weight
+    KDA  model.layers.{i}.self_attn.{q,k,v,g,b,f_a,f_b,o}_proj.weight, {q,k,v}_conv1d.weight
+         [proj, 1, kernel] fp32, A_log [128] fp32 (heads, zero-padded), dt_bias [proj] fp32,
+         o_norm.weight [head_dim] fp32
     MLA  model.layers.{i}.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
          kv_a_layernorm, kv_b_proj, g_proj, o_proj}.weight
     FFN  model.layers.0.mlp.{gate,up,down}_proj.weight
@@ -240,6 +241,9 @@ def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bf
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in sorted(model.state_dict().items()):
-        out[prefix + name] = _init_tensor(name, tuple(t.shape), gen).to(t.dtype)
+        value = _init_tensor(name, tuple(t.shape), gen)
+        if name.endswith("A_log"):
+            value[cfg.kda_num_heads:] = 0  # the published layout's padding
+        out[prefix + name] = value.to(t.dtype)
     return out
 
