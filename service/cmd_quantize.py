@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{out} exists and is not an empty directory")
     if out.resolve() == src.resolve():
         return _fail("OUT_DIR must differ from IN_DIR")
+    if args.max_shard_bytes is not None and args.max_shard_bytes <= 0:
+        return _fail(f"--max-shard-bytes must be positive, got {args.max_shard_bytes}")
 
     from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, MXFP4Error, quantize_tensors
     from vision.checkpoint import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, Checkpoint, CheckpointError, write_checkpoint
@@ -71,26 +73,31 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         linear = _linear_modules(config)
-    except ValueError as e:
+    except (ValueError, KeyError, TypeError) as e:
         return _fail(f"{src / 'config.json'}: {e}")
     try:
         tensors = quantize_tensors(_LazyTensors(ckpt), quant, linear_modules=linear)
-    except MXFP4Error as e:
+    except (MXFP4Error, CheckpointError) as e:
         return _fail(str(e))
+    except Exception as e:  # a damaged shard: safetensors raises its own error types
+        return _fail(f"cannot read the tensors of {src}: {e}")
     packed = sorted(n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed"))
     if not packed:
         return _fail(f"the quantization_config targets no linear layer of {src}; nothing to convert")
 
     new_config = {**config, "quantization_config": quant}
-    write_checkpoint(out, tensors, new_config, max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
-    skip = {"config.json", INDEX_FILE}
-    for item in sorted(ckpt.path.iterdir()):
-        if item.name in skip or item.name.endswith(".safetensors") or item.name.startswith("."):
-            continue
-        if item.is_dir():
-            shutil.copytree(item, out / item.name)
-        else:
-            shutil.copy2(item, out / item.name)
+    try:
+        write_checkpoint(out, tensors, new_config, max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        skip = {"config.json", INDEX_FILE}
+        for item in sorted(ckpt.path.iterdir()):
+            if item.name in skip or item.name.endswith(".safetensors") or item.name.startswith("."):
+                continue
+            if item.is_dir():
+                shutil.copytree(item, out / item.name)
+            else:
+                shutil.copy2(item, out / item.name)
+    except OSError as e:
+        return _fail(f"cannot write {out}: {e}")
     ckpt.close()
     print(f"quantized {len(packed)} linear layers to MXFP4; wrote {out}")
     return 0

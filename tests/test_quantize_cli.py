@@ -3,6 +3,7 @@ projector and the tiny KimiLinear trunk, bf16), and the memory of the quantised 
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -127,6 +128,12 @@ def test_converter_refuses_bad_inputs_with_clear_errors(converted, tmp_path, cap
     every_linear = tmp_path / "all.json"  # reaches layers narrower than a group (tiny low-rank projections)
     every_linear.write_text(json.dumps({**mxfp4.K3_QUANTIZATION_CONFIG, "ignore": []}))
     cases.append(((src, tmp_path / "z", "--config", every_linear), r"\.weight: in_features \d+ .* not divisible by 32"))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(src, damaged)
+    shard = sorted(damaged.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    cases.append(((damaged, tmp_path / "d_out"), "cannot read the tensors of"))
+    cases.append(((src, tmp_path / "w", "--max-shard-bytes", "0"), "must be positive"))
     for args, message in cases:  # in-process through the same entry point (a process start costs seconds)
         assert cli_main(["quantize", *map(str, args)]) == 2, args
         stderr = capsys.readouterr().err
