@@ -243,39 +243,83 @@ def test_jsonl_input_through_the_server(server, tmp_path):
     assert "base64" in rows["broken-base64"]["error"] and rows["broken-base64"]["transient"] is False
 
 
-def test_kill_9_part_way_then_resume_gives_every_input_exactly_once(server, tmp_path):
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "service.cli", "batch", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_rows(proc: subprocess.Popen, output: Path, rows: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if output.exists() and output.read_bytes().count(b"\n") >= rows:
+            return
+        time.sleep(0.02)
+
+
+def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once(server, tmp_path):
     folder = tmp_path / "many"
     folder.mkdir()
-    for i in range(14):
+    for i in range(15):
         shutil.copy(SAMPLES / ("sticker_rgba.png" if i % 2 else "grayscale.png"), folder / f"img{i:02d}.png")
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
     output = tmp_path / "out.jsonl"
     args = ["--task", "caption", "--input", str(folder), "--output", str(output), "--server", server.target,
-            "--concurrency", "1", "--max-new-tokens", "12"]
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "batch", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if output.exists() and output.read_bytes().count(b"\n") >= 3:
-            break
-        time.sleep(0.02)
+            "--concurrency", "1", "--max-new-tokens", "8"]
+
+    # Ctrl-C: stops cleanly (whole rows only, exit 130, says how to finish).
+    proc = _start(args)
+    _wait_for_rows(proc, output, 2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted: rerun with --resume" in stdout
+    after_ctrl_c = output.read_bytes()
+    assert after_ctrl_c.endswith(b"\n") and 2 <= after_ctrl_c.count(b"\n") < 16
+
+    # kill -9 part-way through the resumed job.
+    proc = _start([*args, "--resume"])
+    _wait_for_rows(proc, output, after_ctrl_c.count(b"\n") + 2)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     written = output.read_bytes().count(b"\n")
-    assert 3 <= written < 15, f"the kill should land part-way, {written} of 15 rows were written"
+    assert after_ctrl_c.count(b"\n") + 2 <= written < 16, f"the kill should land part-way ({written} of 16 rows)"
 
     again = _cli(*args)  # the same options without --resume: refused, nothing touched
     assert again.returncode == 1 and "pass --resume" in again.stderr
-    changed = _cli(*args[:-1], "13", "--resume")
+    changed = _cli(*args[:-1], "9", "--resume")
     assert changed.returncode == 1
-    assert "--resume refused" in changed.stderr and "max_new_tokens: was 12, now 13" in changed.stderr
+    assert "--resume refused" in changed.stderr and "max_new_tokens: was 8, now 9" in changed.stderr
 
     resumed = _cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"{written} already done" in resumed.stdout and "gibberish" in resumed.stdout
     rows = _by_id(output)  # asserts no id twice
-    assert sorted(rows) == sorted([f"img{i:02d}.png" for i in range(14)] + ["broken.png"])
-    assert rows["broken.png"]["status"] == "error" and sum(r["status"] == "ok" for r in rows.values()) == 14
+    assert sorted(rows) == sorted([f"img{i:02d}.png" for i in range(15)] + ["broken.png"])
+    assert rows["broken.png"]["status"] == "error" and sum(r["status"] == "ok" for r in rows.values()) == 15
+
+
+def test_progress_bar_on_a_tty_and_log_lines_otherwise():
+    import io
+
+    from service.batch.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    bar_stream = Terminal()
+    bar = Progress(3, stream=bar_stream)
+    for ok in (True, False, True):
+        bar.update(ok)
+    bar.close()
+    assert "3/3" in bar_stream.getvalue() and "errors=1" in bar_stream.getvalue() and "img/s" in bar_stream.getvalue()
+
+    log_stream = io.StringIO()
+    log = Progress(4, stream=log_stream, log_every_s=0.0)
+    log.update(True)
+    log.update(False)
+    lines = log_stream.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("batch: 2/4 done,") and lines[-1].endswith("ETA 0:00, 1 errors")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class EngineBackend:
         from service.engine import ImageInput
 
         try:
-            (emb,) = await self.engine.embed_images([ImageInput(image)], self._cancelled)
+            (emb,) = await self.engine.embed_images([ImageInput(image)])
         except Exception as exc:  # noqa: BLE001 - classified; bugs propagate
             raise local_failure(exc) or exc from None
         return Embedding(emb.rows.float().numpy(), tuple(emb.grid_thw), emb.num_tokens)
@@ -135,7 +135,10 @@ class EngineBackend:
         from textcore.parser import ContentDelta
 
         engine = self.engine
-        inputs = [ImageInput(data, where=f"image {i}") for i, data in enumerate(images)]
+        # Named where the chat holds them, as the server names them in its errors.
+        where = [f"messages[{i}].content[{k}]" for i, m in enumerate(messages)
+                 for k, part in enumerate(m["content"]) if part["type"] == "image"]
+        inputs = [ImageInput(data, where=name) for data, name in zip(images, where, strict=True)]
         chat = ChatInput(messages=messages, kwargs=dict(CHAT_KWARGS), images=inputs)
         pieces: list[str] = []
 
@@ -144,7 +147,7 @@ class EngineBackend:
                 pieces.append(event.text)
 
         try:
-            embeddings = await engine.embed_images(inputs, self._cancelled)
+            embeddings = await engine.embed_images(inputs)
             params = SamplingParams(max_new_tokens=max_new_tokens)
             result = await engine.run_trunk(engine.generate, chat, embeddings, params, emit, self._cancelled)
         except Exception as exc:  # noqa: BLE001 - classified; bugs propagate

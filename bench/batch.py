@@ -1,0 +1,136 @@
+"""Batch-job throughput (images/s), side by side in one run:
+
+- embed in-process with 1 vs 2 CPU encoder workers (target: 2 workers >= 1.7x one on 2 cores);
+- embed through a server on 127.0.0.1 (the same checkpoint, 2 encoder workers);
+- caption (greedy, --max-new-tokens) in-process and through the server.
+
+    .venv/bin/python bench/batch.py [--images 48] [--size 640x480] [--checkpoint DIR]
+
+Without --checkpoint it writes the tiny random checkpoint (tower, trunk, tokenizer) to a temporary
+folder. Each configuration first runs a few warm-up images (pool start, first-call costs), then
+the timed job, writing real output files as `kimi-vision batch` does. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from service.batch.backends import EngineBackend, PoolBackend, ServerBackend  # noqa: E402
+from service.batch.inputs import load_items  # noqa: E402
+from service.batch.runner import Job, JobSpec, RunOptions  # noqa: E402
+
+
+def tiny_checkpoint(directory: Path) -> Path:
+    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
+    from textcore import config as text_config
+    from textcore.model import random_weights
+    from textcore.tiny_vocab import write_tiny_tokenizer
+
+    def trunk(preset, seed):
+        cfg = text_config.preset(preset)
+        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
+
+    def tokenizer(preset, seed):
+        files = write_tiny_tokenizer(directory.with_name(directory.name + "-tok"))
+        return CheckpointPart(files={p.name: p.read_bytes() for p in files.iterdir()})
+
+    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
+
+
+def write_images(folder: Path, count: int, width: int, height: int) -> None:
+    """Smooth random scenes as JPEGs (decode + resize + patchify work like real photos)."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    for i in range(count):
+        a, b, c = rng.uniform(0.005, 0.05, 3)
+        img = np.stack([128 + 100 * np.sin(a * x + i), 128 + 100 * np.cos(b * y), 128 + 60 * np.sin(c * (x + y))], -1)
+        buf = io.BytesIO()
+        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+        (folder / f"img{i:04d}.jpg").write_bytes(buf.getvalue())
+
+
+async def timed_job(spec: JobSpec, folder: Path, warm: Path, out: Path, backend, concurrency: int) -> float:
+    """Images/s of one job (after a warm-up job on `warm`)."""
+    options = RunOptions(concurrency=concurrency, tty=False, handle_sigint=False, log_every_s=1e9)
+    await Job(spec, load_items(warm), out.with_suffix(".warm.jsonl"), backend, resume=False, options=options).run()
+    start = time.perf_counter()
+    summary = await Job(spec, load_items(folder), out, backend, resume=False, options=options).run()
+    elapsed = time.perf_counter() - start
+    if summary.ok != summary.inputs:
+        raise RuntimeError(f"{out.name}: {summary.line(out)}")
+    return summary.ok / elapsed
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    from service.engine import EngineConfig
+    from service.server import ServerConfig, ServerThread
+    from vision.pool import EncoderPool
+
+    tmp = Path(tempfile.mkdtemp(prefix="kimi-bench-batch-"))
+    checkpoint = Path(args.checkpoint) if args.checkpoint else tiny_checkpoint(tmp / "ckpt")
+    width, height = (int(v) for v in args.size.split("x"))
+    images, warm = tmp / "images", tmp / "warm"
+    write_images(images, args.images, width, height)
+    write_images(warm, 4, width, height)
+    caption_images = tmp / "caption"
+    write_images(caption_images, args.caption_images, width, height)
+    embed, caption = JobSpec("embed"), JobSpec("caption", max_new_tokens=args.max_new_tokens)
+    results: list[tuple[str, float]] = []
+
+    for workers in (1, 2):
+        backend = PoolBackend(EncoderPool(checkpoint, f"cpu:{workers}"), checkpoint, owns=True)
+        try:
+            rate = await timed_job(embed, images, warm, tmp / f"embed-local-{workers}.jsonl", backend, 2 * workers)
+        finally:
+            await backend.close()
+        results.append((f"embed, in-process, {workers} encoder worker(s)", rate))
+
+    config = EngineConfig(checkpoint=str(checkpoint), devices="cpu:2", cache_bytes=0)
+    with ServerThread(ServerConfig(port=0), config) as server:
+        backend = await ServerBackend.connect(server.target)
+        try:
+            rate = await timed_job(embed, images, warm, tmp / "embed-server.jsonl", backend, 8)
+            results.append(("embed, through the server (2 encoder workers), concurrency 8", rate))
+            rate = await timed_job(caption, caption_images, warm, tmp / "caption-server.jsonl", backend, 8)
+            results.append((f"caption ({args.max_new_tokens} tokens), through the server, concurrency 8", rate))
+        finally:
+            await backend.close()
+        local = EngineBackend(server.engine)
+        rate = await timed_job(caption, caption_images, warm, tmp / "caption-local.jsonl", local, 4)
+        results.append((f"caption ({args.max_new_tokens} tokens), in-process (same engine), concurrency 4", rate))
+
+    load = os.getloadavg()
+    print(f"\n{args.images} JPEGs of {width}x{height} (embed), {args.caption_images} (caption); "
+          f"{os.cpu_count()} CPUs; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+    print("| configuration | images/s |")
+    print("|---|---|")
+    for name, rate in results:
+        print(f"| {name} | {rate:.2f} |")
+    print(f"\n2 workers / 1 worker (embed, in-process): {results[1][1] / results[0][1]:.2f}x (target >= 1.7x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=48, help="images per embed job (default 48)")
+    parser.add_argument("--caption-images", type=int, default=12, help="images per caption job (default 12)")
+    parser.add_argument("--size", default="640x480", help="image size WxH (default 640x480)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="caption length (default 16)")
+    parser.add_argument("--checkpoint", help="checkpoint directory (default: the tiny random one, written to /tmp)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
