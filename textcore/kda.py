@@ -175,9 +175,10 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, returned in x's dtype."""
+    """RMSNorm as the reference does it: normalise in fp32, cast back, then scale; x's dtype out."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
