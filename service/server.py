@@ -446,6 +446,7 @@ class VisionServer:
         self.load_error: BaseException | None = None
         self._server: grpc.aio.Server | None = None
         self._warm_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     # -- per-RPC wrapper ------------------------------------------------------------------------
@@ -530,6 +531,20 @@ class VisionServer:
             self.ready.set()
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             log.info("serving %s on %s:%s", SERVICE_NAME, self.config.host, self.port)
+            self._watch_task = asyncio.create_task(self._watch_pool())
+
+    async def _watch_pool(self, period_s: float = 1.0) -> None:
+        """Health follows the encoder pool: NOT_SERVING while no worker is ready (e.g. the only one
+        died and is restarting), SERVING again once one is."""
+        serving = True
+        while not self.draining:
+            await asyncio.sleep(period_s)
+            now = bool(self.engine.pool.health()["serving"])
+            if now != serving and not self.draining:
+                serving = now
+                log.warning("encoder pool %s", "ready again" if now else "has no ready worker")
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING if now
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until warm; raises the load error if the engine could not be loaded."""
@@ -556,8 +571,9 @@ class VisionServer:
     async def stop(self, grace: float | None = 0) -> None:
         if self._server is not None:
             await self._server.stop(grace)
-        if self._warm_task is not None and not self._warm_task.done():
-            self._warm_task.cancel()
+        for task in (self._warm_task, self._watch_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self._owns_engine and self.engine is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
             self.engine = None
