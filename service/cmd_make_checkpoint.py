@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="output directory (must not exist or be empty)")
     parser.add_argument("--preset", default="tiny", help="model sizes: tiny (default) or k3")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="keep every trunk weight bf16 (no MXFP4), e.g. as input for `kimi-vision quantize`")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +29,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from service.make_checkpoint import make_checkpoint
 
-    path = make_checkpoint(out, preset=args.preset, seed=args.seed)
+    path = make_checkpoint(out, preset=args.preset, seed=args.seed, mxfp4=not args.bf16)
     print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {path}")
     return 0

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_shard_bytes is not None and args.max_shard_bytes <= 0:
         return _fail(f"--max-shard-bytes must be positive, got {args.max_shard_bytes}")
 
+    from service.make_checkpoint import linear_module_names
     from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, MXFP4Error, quantize_tensors
     from vision.checkpoint import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, Checkpoint, CheckpointError, write_checkpoint
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         quant = K3_QUANTIZATION_CONFIG
 
     try:
-        linear = _linear_modules(config)
+        linear = linear_module_names(config)
     except (ValueError, KeyError, TypeError) as e:
         return _fail(f"{src / 'config.json'}: {e}")
     try:
@@ -101,34 +102,6 @@ def run(args: argparse.Namespace) -> int:
     ckpt.close()
     print(f"quantized {len(packed)} linear layers to MXFP4; wrote {out}")
     return 0
-
-
-def _linear_modules(config: dict) -> set[str]:
-    """Full checkpoint names of the nn.Linear layers of the models `config` describes: the trunk
-    (a `text_config`, tensors under `language_model.`; or a text-only config) and the vision tower
-    and projector (a `vision_config`)."""
-    import torch
-    from torch import nn
-
-    models: list[tuple[str, nn.Module]] = []
-    with torch.device("meta"):
-        if "text_config" in config or "linear_attn_config" in config:
-            from textcore.config import TextConfig
-            from textcore.model import MULTIMODAL_PREFIX, KimiLinearForCausalLM
-
-            prefix = MULTIMODAL_PREFIX if "text_config" in config else ""
-            models.append((prefix, KimiLinearForCausalLM(TextConfig.from_dict(config))))
-        if "vision_config" in config:
-            from vision.config import VisionConfig
-            from vision.encoder import PROJECTOR_PREFIX, TOWER_PREFIX
-            from vision.projector import Projector
-            from vision.tower import VisionTower
-
-            vision = VisionConfig.from_checkpoint_config(config)
-            models += [(TOWER_PREFIX, VisionTower(vision)), (PROJECTOR_PREFIX, Projector(vision))]
-    if not models:
-        raise ValueError("describes neither a KimiLinear trunk (text_config) nor a vision tower (vision_config)")
-    return {prefix + n for prefix, model in models for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 class _LazyTensors:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-GENERATOR_VERSION = "vision-1"  # bump when any part's output changes (keys the embedded default's cache)
+GENERATOR_VERSION = "k3-2"  # bump when any part's output changes (keys the embedded default's cache)
 
 MEDIA_PROC_CFG = {  # K3_FACTS section 2
     "in_patch_limit": 65536,
@@ -95,10 +95,28 @@ def vision_part(preset: str, seed: int) -> CheckpointPart:
     )
 
 
-# One line per sub-model. The trunk (`language_model.*` + `text_config`), the tokenizer files and
-# the MXFP4 `quantization_config` are added here by their issues.
+def trunk_part(preset: str, seed: int) -> CheckpointPart:
+    """`language_model.*` (bf16 as released; fp32 where the reference keeps fp32) + `text_config`."""
+    from textcore.config import preset as text_preset
+    from textcore.model import random_weights
+
+    cfg = text_preset(preset)
+    return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
+
+
+def tokenizer_part(preset: str, seed: int) -> CheckpointPart:
+    """The tokenizer files. The release vocabulary is not ours to ship: every preset gets the tiny
+    vocabulary the project generates itself (same special ids, so the prompts line up)."""
+    from textcore.tiny_vocab import tiny_tokenizer_files
+
+    return CheckpointPart(files=tiny_tokenizer_files())
+
+
+# One line per sub-model.
 PARTS: list[Callable[[str, int], CheckpointPart]] = [
     vision_part,
+    trunk_part,
+    tokenizer_part,
 ]
 
 
@@ -129,17 +147,56 @@ def _same(a: object, b: object) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
+def linear_module_names(config: dict) -> set[str]:
+    """Full checkpoint names of the nn.Linear layers of the models `config` describes (a trunk via
+    `text_config` under `language_model.`, or a text-only config; a tower and projector via
+    `vision_config`). Class targets such as `Linear` in a quantization_config need these: bare
+    tensor names cannot tell a Linear weight from e.g. the router's."""
+    from torch import nn
+
+    models: list[tuple[str, nn.Module]] = []
+    with torch.device("meta"):
+        if "text_config" in config or "linear_attn_config" in config:
+            from textcore.config import TextConfig
+            from textcore.model import MULTIMODAL_PREFIX, KimiLinearForCausalLM
+
+            prefix = MULTIMODAL_PREFIX if "text_config" in config else ""
+            models.append((prefix, KimiLinearForCausalLM(TextConfig.from_dict(config.get("text_config", config)))))
+        if "vision_config" in config:
+            from vision.config import VisionConfig
+            from vision.encoder import PROJECTOR_PREFIX, TOWER_PREFIX
+            from vision.projector import Projector
+            from vision.tower import VisionTower
+
+            vision = VisionConfig.from_checkpoint_config(config)
+            models += [(TOWER_PREFIX, VisionTower(vision)), (PROJECTOR_PREFIX, Projector(vision))]
+    if not models:
+        raise ValueError("describes neither a KimiLinear trunk (text_config) nor a vision tower (vision_config)")
+    return {prefix + n for prefix, model in models for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 def make_checkpoint(
     out_dir: str | os.PathLike[str],
     preset: str = "tiny",
     seed: int = 0,
     parts: list[Callable[[str, int], CheckpointPart]] | None = None,
+    mxfp4: bool = True,
 ) -> Path:
-    """Write a deterministic random checkpoint (same preset + seed -> byte-identical files)."""
+    """Write a deterministic random checkpoint (same preset + seed -> byte-identical files).
+
+    With `mxfp4` (the default, as released) the K3 `quantization_config` is applied: the Linears its
+    ignore list leaves (the routed experts and the latent MoE projections) are stored packed.
+    """
     from vision.checkpoint import write_checkpoint
 
     merged = merge_parts([build(preset, seed) for build in (PARTS if parts is None else parts)])
-    out = write_checkpoint(out_dir, merged.tensors, merged.config, json_files=merged.json_files)
+    tensors, config = merged.tensors, dict(merged.config)
+    if mxfp4 and "text_config" in config:
+        from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, quantize_tensors
+
+        tensors = quantize_tensors(tensors, K3_QUANTIZATION_CONFIG, linear_modules=linear_module_names(config))
+        config["quantization_config"] = K3_QUANTIZATION_CONFIG
+    out = write_checkpoint(out_dir, tensors, config, json_files=merged.json_files)
     for name, data in merged.files.items():
         (out / name).write_bytes(data)
     return out

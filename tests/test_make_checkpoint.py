@@ -70,18 +70,46 @@ def test_tiny_layout(tiny_dir):
         "model-00001-of-00001.safetensors",
         "model.safetensors.index.json",
         "preprocessor_config.json",
+        "tiktoken.model",
+        "tokenizer_config.json",
     ]
     config = json.loads((tiny_dir / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"
     assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
     assert VisionConfig.from_checkpoint_config(config) == PRESETS["tiny"]
+    assert config["text_config"]["hidden_size"] == PRESETS["tiny"].text_hidden_size
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
     assert json.loads((tiny_dir / "preprocessor_config.json").read_text()) == {"media_proc_cfg": MEDIA_PROC_CFG}
     assert MEDIA_PROC_CFG["in_patch_limit"] == 65536 and MEDIA_PROC_CFG["transparent_bg_fill_stage"] == "after_resize"
     ckpt = Checkpoint(tiny_dir)
     t = PRESETS["tiny"]
     expected = release_names(t.vt_num_hidden_layers, t.vt_hidden_size, t.qkv_hidden_size, 128, t.text_hidden_size)
-    assert {n: ckpt.shape(n) for n in ckpt.names()} == expected
+    vision_names = [n for n in ckpt.names() if not n.startswith("language_model.")]
+    assert {n: ckpt.shape(n) for n in vision_names} == expected
     assert all(ckpt.tensor(n).dtype == torch.bfloat16 for n in expected)
+    # As released: the routed experts are stored MXFP4-packed, never as a bf16 weight.
+    packed = ckpt.names("language_model.model.layers.1.block_sparse_moe.experts.0.w1.")
+    assert packed == [
+        "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed",
+        "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_scale",
+    ]
+    assert not any(".experts." in n and n.endswith(".weight") for n in ckpt.names())
+
+
+def test_bf16_checkpoint_quantizes_to_the_default(tmp_path):
+    from service.make_checkpoint import make_checkpoint as make
+    from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, quantize_tensors
+
+    bf16 = Checkpoint(make(tmp_path / "bf16", "tiny", seed=0, mxfp4=False))
+    assert not any(n.endswith("weight_packed") for n in bf16.names())
+    assert "quantization_config" not in bf16.config
+    from service.make_checkpoint import linear_module_names
+
+    tensors = {n: bf16.tensor(n) for n in bf16.names()}
+    packed = quantize_tensors(tensors, K3_QUANTIZATION_CONFIG, linear_modules=linear_module_names(bf16.config))
+    default = load_file(make(tmp_path / "mx", "tiny", seed=0) / "model-00001-of-00001.safetensors")
+    assert sorted(packed) == sorted(default)
+    assert all(torch.equal(packed[n], default[n]) for n in default)
 
 
 def test_deterministic_and_seeded(tiny_dir, tmp_path):

@@ -114,12 +114,20 @@ def tokenizer_config() -> dict:
     }
 
 
+def tiny_tokenizer_files(num_merges: int = NUM_MERGES) -> dict[str, bytes]:
+    """`tiktoken.model` and `tokenizer_config.json` of the tiny vocabulary, as file name -> bytes."""
+    tokens = [bytes([b]) for b in range(256)] + learn_merges(_CORPUS, num_merges)
+    lines = [f"{base64.b64encode(token).decode('ascii')} {rank}" for rank, token in enumerate(tokens)]
+    return {
+        "tiktoken.model": ("\n".join(lines) + "\n").encode("ascii"),
+        "tokenizer_config.json": (json.dumps(tokenizer_config(), indent=2) + "\n").encode("utf-8"),
+    }
+
+
 def write_tiny_tokenizer(out_dir: str | Path, num_merges: int = NUM_MERGES) -> Path:
     """Write `tiktoken.model` and `tokenizer_config.json` into `out_dir` (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokens = [bytes([b]) for b in range(256)] + learn_merges(_CORPUS, num_merges)
-    lines = [f"{base64.b64encode(token).decode('ascii')} {rank}" for rank, token in enumerate(tokens)]
-    (out / "tiktoken.model").write_text("\n".join(lines) + "\n", encoding="ascii")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+    for name, data in tiny_tokenizer_files(num_merges).items():
+        (out / name).write_bytes(data)
     return out
