@@ -1,0 +1,131 @@
+"""A real `kimi-vision serve` in a subprocess, for tests that need the server as its own process
+(its own RSS, its own signals, its own log). Not a fixture: each test module starts what it needs.
+
+    with ServeProcess.start(["--devices", "cpu:1"], log_path=tmp / "serve.log") as server:
+        VisionClient(server.target)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_READY = re.compile(r"serving on (\S+):(\d+)")
+
+
+def serve_command() -> list[str]:
+    """The installed `kimi-vision` script next to this interpreter, else the module."""
+    script = Path(sys.executable).with_name("kimi-vision")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
+class ServeProcess:
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.process = psutil.Process(proc.pid)
+        self.metrics_port: int | None = None  # set by a caller that passed --metrics-port
+
+    @classmethod
+    def start(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+              ready_timeout_s: float = 240.0) -> ServeProcess:
+        """Start `kimi-vision serve --port 0 <args>` and wait until it says it is serving."""
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        log = open(log_path, "wb")  # the child writes to it for its whole life
+        proc = subprocess.Popen([*serve_command(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=full_env,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+        log.close()
+        found: list[tuple[str, int]] = []
+
+        def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
+            for line in proc.stdout:
+                m = _READY.search(line)
+                if m and not found:
+                    found.append((m.group(1), int(m.group(2))))
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not found:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"kimi-vision serve did not become ready (exit {proc.returncode}):\n"
+                                   + log_path.read_text(errors="replace")[-4000:])
+            time.sleep(0.05)
+        return cls(proc, found[0][0], found[0][1], log_path)
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def rss(self) -> int:
+        """Resident bytes of the server process itself (encoder workers are separate processes)."""
+        return self.process.memory_info().rss
+
+    def peak_rss(self) -> int:
+        """The kernel's high-water mark of the server's resident set (VmHWM), in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM in /proc status")
+
+    def reset_peak_rss(self) -> bool:
+        """Reset VmHWM to the current RSS (Linux >= 4.0; needs permission). False if not possible."""
+        try:
+            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def encoder_workers(self) -> list[psutil.Process]:
+        """The encoder pool's worker processes (spawned children; not the resource tracker)."""
+        return [p for p in self.process.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the server drains) and wait for the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Kill the server and any worker it left behind (only this server's own processes)."""
+        children = []
+        try:
+            children = self.process.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        for p in [self.process, *children]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.terminate(30.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()

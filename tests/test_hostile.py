@@ -1,0 +1,118 @@
+"""Every case of the hostile corpus through a real `kimi-vision serve` on 127.0.0.1.
+
+Each must get its expected answer (INVALID_ARGUMENT / UNIMPLEMENTED with a reason, or, for a
+valid image, exactly the reference pixels), from Preprocess, CountTokens and Embed alike; the
+server must answer health SERVING after every case; no bomb may be decoded (each one's own
+memory high-water mark is checked) and the server's RSS high-water mark stays under 1.5 GB.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import grpc
+import numpy as np
+import pytest
+from hostile_corpus import INVALID, OK, UNIMPLEMENTED, HostileCase, hostile_corpus
+from k3_reference import reference_preprocess
+from serve_process import ServeProcess
+
+from service.client import VisionClient, image, tensor_to_numpy
+
+RSS_LIMIT = 1536 << 20  # 1.5 GB
+BOMB_RSS_GROWTH_LIMIT = 32 << 20  # the smallest bomb (8001x8000 gray) would need 64 MB decoded
+DEADLINE_S = 60.0  # a hang guard only; a case takes milliseconds
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("hostile") / "serve.log"
+    with ServeProcess.start(["--devices", "cpu:1"], log_path=log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess):
+    with VisionClient(server.target, timeout=DEADLINE_S) as c:
+        yield c
+
+
+def _outcome(call) -> tuple[str, str, object]:
+    try:
+        return OK, "", call()
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or "", None
+
+
+def _check_error(case: HostileCase, rpc: str, code: str, details: str) -> None:
+    assert code == case.expect, f"{case.name}: {rpc} answered {code} ({details!r}), expected {case.expect}"
+    assert re.search(case.reason, details, re.IGNORECASE), f"{case.name}: {rpc} reason {details!r} !~ {case.reason!r}"
+    assert "Traceback" not in details and "internal error" not in details
+
+
+def test_corpus_is_broad() -> None:
+    cases = hostile_corpus()
+    assert len(cases) >= 40
+    kinds = {c.expect for c in cases}
+    assert kinds == {INVALID, UNIMPLEMENTED, OK}
+    names = " ".join(c.name for c in cases)
+    for word in ("empty", "random", "text", "html", "svg", "pdf", "truncated|cut", "crc", "0x0", "100000x100000",
+                 "12000x12000", "20000x20000", "bmp", "tiff", "frames", "polyglot", "exif", "icc", "16-bit", "cmyk",
+                 "palette", "webp", "gif"):
+        assert re.search(word, names, re.IGNORECASE), word
+
+
+def test_every_hostile_case_through_the_server(server: ServeProcess, client: VisionClient) -> None:
+    can_reset_peak = server.reset_peak_rss()
+    failures = []
+    for case in hostile_corpus():
+        try:
+            _run_case(server, client, case, can_reset_peak)
+        except AssertionError as exc:
+            failures.append(str(exc))
+        assert client.health() == "SERVING", f"server unhealthy after {case.name}"
+        assert server.proc.poll() is None, f"server died on {case.name}"
+    assert not failures, "\n".join(failures)
+    assert server.peak_rss() < RSS_LIMIT, f"server RSS peaked at {server.peak_rss() >> 20} MiB"
+
+
+def _run_case(server: ServeProcess, client: VisionClient, case: HostileCase, can_reset_peak: bool) -> None:
+    if case.bomb:
+        before = server.rss() if can_reset_peak and server.reset_peak_rss() else server.peak_rss()
+    code, details, reply = _outcome(lambda: client.preprocess(case.data, return_pixels=True))
+    if case.bomb:
+        growth = server.peak_rss() - before
+        assert growth < BOMB_RSS_GROWTH_LIMIT, f"{case.name}: server memory grew {growth >> 20} MiB (decoded?)"
+    count_code, count_details, count = _outcome(lambda: client.count_tokens(case.data))
+    embed_code, embed_details, embedded = _outcome(lambda: client.embed(case.data))
+    transposed_code, transposed_details, _ = _outcome(lambda: client.preprocess(image(case.data, exif_transpose=True)))
+
+    if case.expect != OK:
+        _check_error(case, "Preprocess", code, details)
+        _check_error(case, "Embed", embed_code, embed_details)
+        # Header-only counting cannot see damage inside the pixel data, so it may succeed; it
+        # must not answer anything else.
+        if count_code != OK:
+            _check_error(case, "CountTokens", count_code, count_details)
+        if transposed_code != OK:
+            _check_error(case, "Preprocess(exif_transpose)", transposed_code, transposed_details)
+        return
+
+    assert code == OK, f"{case.name}: valid image refused: {code} {details!r}"
+    assert (reply.orig_width, reply.orig_height) == case.size, case.name
+    with warnings.catch_warnings():  # the plain reference lets Pillow's metadata warnings through
+        warnings.simplefilter("ignore")
+        ref = reference_preprocess(case.data)
+    assert reply.num_tokens == ref["num_tokens"], case.name
+    assert (reply.padded_width, reply.padded_height) == ref["padded_size"], case.name
+    assert np.array_equal(tensor_to_numpy(reply.pixel_values), ref["image"]), f"{case.name}: pixels differ"
+    assert count_code == OK and count.num_tokens == reply.num_tokens, f"{case.name}: CountTokens {count_details!r}"
+    assert embed_code == OK, f"{case.name}: Embed {embed_code} {embed_details!r}"
+    header, rows = embedded
+    assert header.num_tokens == reply.num_tokens and rows.shape[0] == reply.num_tokens, case.name
+    assert np.isfinite(rows).all(), case.name
+    # EXIF orientation, when asked for, may rotate a valid image or reject corrupt EXIF; nothing else.
+    if transposed_code != OK:
+        assert transposed_code == INVALID and re.search("exif|corrupt", transposed_details, re.IGNORECASE), (
+            f"{case.name}: exif_transpose gave {transposed_code} {transposed_details!r}")
