@@ -76,3 +76,26 @@ def test_cli_embed_bad_checkpoint(tmp_path, capsys):
     rc = cli_main(["embed", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o.safetensors"), str(img)])
     assert rc == 2
     assert "checkpoint directory not found" in capsys.readouterr().err
+
+
+def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
+    from service.ec_export import read_ec
+    from service.embed_cache import checkpoint_identity, content_hash
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, "tiny", seed=0)
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(png(60, 30, "RGB", seed=3))
+    b.write_bytes(png(30, 90, "LA", seed=4))
+    out = tmp_path / "ec"
+    rc = cli_main(["embed", "--checkpoint", str(ckpt), "--workers", "1", "--format", "vllm-ec", "--out", str(out),
+                   str(a), str(b)])
+    assert rc == 0, capsys.readouterr().err
+    ident = checkpoint_identity(ckpt)
+    dirs = sorted(p.name for p in out.iterdir())
+    hashes = {content_hash(p.read_bytes(), vision.options_key(), ident): p for p in (a, b)}
+    assert dirs == sorted(hashes)  # <DIR>/<hash>/encoder_cache.safetensors, nothing else
+    for h, path in hashes.items():
+        assert [f.name for f in (out / h).iterdir()] == ["encoder_cache.safetensors"]
+        pre = vision.preprocess_image(path.read_bytes())
+        torch.testing.assert_close(read_ec(out, h), encoder.encode([pre])[0], rtol=1e-5, atol=1e-5)
