@@ -10,6 +10,7 @@ processes. Blocking methods here are called from those executors, never from the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -271,11 +272,17 @@ class Engine:
     def image_key(self, image: ImageInput) -> str:
         return content_hash(image.data, image.options.key(), self.checkpoint_id)
 
+    def _submit(self, image: ImageInput) -> tuple[Any, concurrent.futures.Future]:
+        """Preprocess and queue on the pool (both off the event loop: building the patches and
+        copying them into shared memory take a while for a large image)."""
+        pre = self.preprocess(image)
+        return pre, self.pool.submit(pre)
+
     async def embed_images(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
         """Embeddings of `images` in order. Cache hits are served as they are; each distinct missing
-        image is preprocessed once and all of them are submitted to the pool before any is awaited,
-        so they spread over the workers. (Work already queued on the pool cannot be withdrawn; a
-        cancelled RPC stops before submitting.)"""
+        image is preprocessed once and queued on the pool as soon as it is ready, so the images
+        spread over the workers. (Work already queued on the pool cannot be withdrawn; a cancelled
+        RPC stops before submitting.)"""
         keys = [self.image_key(image) for image in images]
         found: dict[str, ImageEmbedding] = {}
         missing: dict[str, ImageInput] = {}
@@ -289,9 +296,9 @@ class Engine:
             else:
                 found[key] = dataclasses.replace(hit, cached=True)
         if missing:
-            pres = await asyncio.gather(*(self.run_cpu(self.preprocess, image) for image in missing.values()))
-            rows = await asyncio.gather(*(asyncio.wrap_future(self.pool.submit(pre)) for pre in pres))
-            for key, pre, r in zip(missing, pres, rows, strict=True):
+            submitted = await asyncio.gather(*(self.run_cpu(self._submit, image) for image in missing.values()))
+            rows = await asyncio.gather(*(asyncio.wrap_future(future) for _, future in submitted))
+            for key, (pre, _), r in zip(missing, submitted, rows, strict=True):
                 found[key] = ImageEmbedding(key, r, tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens),
                                             pre.prompt)
                 self.cache.put(key, found[key])
