@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nGenerate: user: {args.prompt!r} + {', '.join(n for n, _ in pair)}")
             t0 = time.perf_counter()
             first = None
+            protocol_errors = 0
             for event in client.generate(chat, max_new_tokens=args.max_new_tokens,
                                          sampling={"temperature": 0.0}):
                 kind = event.WhichOneof("event")
@@ -116,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
                     first = time.perf_counter() - t0
                 if kind in ("reasoning_delta", "content_delta"):
                     print(_printable(getattr(event, kind)), end="", flush=True)
+                elif kind == "protocol_error":
+                    protocol_errors += 1  # output that breaks the K3 grammar: counted, shown at the end
                 elif kind == "finish":
                     f = event.finish
+                    if protocol_errors:
+                        print(f"\n[{protocol_errors} stretches of output broke the K3 output grammar "
+                              "(stray control tokens), as random weights do]", end="")
                     reason = "end_of_msg" if f.reason == pb.FINISH_REASON_STOP else "max_new_tokens"
                     print(f"\n[finish: {reason}; prompt {f.usage.prompt_tokens} tokens ({f.usage.image_tokens} image), "
                           f"generated {f.usage.completion_tokens}; first event {_ms(first).strip()}, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import re
 import time
 import urllib.request
 
@@ -58,25 +59,10 @@ def _free_port() -> int:
 
 
 def _tiny_checkpoint(directory):
-    """The tiny random checkpoint with every part the service needs (tower, trunk, tokenizer)."""
-    import tempfile
-    from pathlib import Path
+    """The tiny random checkpoint the embedded default is made of (tower, MXFP4 trunk, tokenizer)."""
+    from service.make_checkpoint import make_checkpoint
 
-    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
-    from textcore import config as text_config
-    from textcore.model import random_weights
-    from textcore.tiny_vocab import write_tiny_tokenizer
-
-    def trunk(preset, seed):
-        cfg = text_config.preset(preset)
-        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
-
-    def tokenizer(preset, seed):
-        d = Path(tempfile.mkdtemp())
-        write_tiny_tokenizer(d)
-        return CheckpointPart(files={p.name: p.read_bytes() for p in d.iterdir()})
-
-    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
+    return make_checkpoint(directory, "tiny", 0)
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +110,8 @@ def stopper(server, checkpoint):
     a, b = main.tokenizer.encode("a")[0], main.tokenizer.encode("b")[0]
     model = KimiLinearForCausalLM.from_checkpoint(checkpoint, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.model.layers.parameters():
-            p.zero_()
+        for t in [*model.model.layers.parameters(), *model.model.layers.buffers()]:  # MXFP4 codes too
+            t.zero_()
         model.model.norm.weight.zero_()
         model.model.norm.weight[:2] = 1
         emb, head = model.model.embed_tokens.weight, model.lm_head.weight
@@ -506,3 +492,23 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
     while client.health() != "SERVING" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.health() == "SERVING"
+
+
+def test_demo_command(checkpoint, tmp_path):
+    """`kimi-vision demo` (the README's main job) on the embedded default, end to end."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    from service.default_checkpoint import generator_key
+
+    (tmp_path / generator_key()).symlink_to(checkpoint)  # the default is this same tiny checkpoint
+    env = {**os.environ, "KIMI_VISION_CACHE": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--max-new-tokens", "3"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tiny RANDOM checkpoint" in out.stdout and "health: SERVING" in out.stdout
+    assert re.search(r"photo.jpg +640x480 +414 ", out.stdout)
+    assert "Encode (" in out.stdout and "[finish: max_new_tokens" in out.stdout and "generated 3" in out.stdout
