@@ -7,8 +7,8 @@
 
     .venv/bin/python bench/batch.py [--images 48] [--repeats 3] [--size 640x480] [--checkpoint DIR]
 
-Without --checkpoint it writes the tiny random checkpoint (tower, trunk, tokenizer) to a temporary
-folder. Each backend first runs a few warm-up images (pool start, first-call costs), then the
+Without --checkpoint it uses the embedded default (tiny random tower, MXFP4 trunk, tokenizer).
+Each backend first runs a few warm-up images (pool start, first-call costs), then the
 timed jobs, writing real output files as `kimi-vision batch` does. Prints a Markdown table.
 """
 
@@ -32,23 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from service.batch.backends import EngineBackend, PoolBackend, ServerBackend  # noqa: E402
 from service.batch.inputs import load_items  # noqa: E402
 from service.batch.runner import Job, JobSpec, RunOptions  # noqa: E402
-
-
-def tiny_checkpoint(directory: Path) -> Path:
-    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
-    from textcore import config as text_config
-    from textcore.model import random_weights
-    from textcore.tiny_vocab import write_tiny_tokenizer
-
-    def trunk(preset, seed):
-        cfg = text_config.preset(preset)
-        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
-
-    def tokenizer(preset, seed):
-        files = write_tiny_tokenizer(directory.with_name(directory.name + "-tok"))
-        return CheckpointPart(files={p.name: p.read_bytes() for p in files.iterdir()})
-
-    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
 
 
 def write_images(folder: Path, count: int, width: int, height: int) -> None:
@@ -81,12 +64,13 @@ async def warm_up(spec: JobSpec, warm: Path, out: Path, backend, concurrency: in
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    from service.default_checkpoint import default_checkpoint_dir
     from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
     from vision.pool import EncoderPool
 
     tmp = Path(tempfile.mkdtemp(prefix="kimi-bench-batch-"))
-    checkpoint = Path(args.checkpoint) if args.checkpoint else tiny_checkpoint(tmp / "ckpt")
+    checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint_dir()
     width, height = (int(v) for v in args.size.split("x"))
     images, warm = tmp / "images", tmp / "warm"
     write_images(images, args.images, width, height)
@@ -155,7 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per worker count (default 3)")
     parser.add_argument("--size", default="640x480", help="image size WxH (default 640x480)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="caption length (default 16)")
-    parser.add_argument("--checkpoint", help="checkpoint directory (default: the tiny random one, written to /tmp)")
+    parser.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny one)")
     asyncio.run(main_async(parser.parse_args()))
 
 

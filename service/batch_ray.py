@@ -171,8 +171,19 @@ def run_ray_job(spec: JobSpec, items: Sequence[Item], output: Path, *, resume: b
     fingerprint = spec.fingerprint(local_identity(checkpoint))
     check(output, fingerprint, resume=resume)  # refuse before starting anything
 
-    if not ray.is_initialized():
+    started_ray = not ray.is_initialized()
+    if started_ray:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        return _run(ray, spec, items, output, fingerprint, resume=resume, checkpoint=checkpoint,
+                    concurrency=concurrency, options=options)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run(ray: Any, spec: JobSpec, items: Sequence[Item], output: Path, fingerprint: dict[str, Any], *, resume: bool,
+         checkpoint: str, concurrency: int | None, options: RunOptions) -> Summary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours is the one progress display
 

@@ -22,6 +22,9 @@ HELP = "caption, OCR or embed many images (progress, exactly-once --resume, Ray 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 done (per-input errors are rows in the output); 1 could not run or stopped on "
+                     "an error; 2 bad arguments or input; 75 done but some inputs failed transiently (rerun with "
+                     "--resume); 130 interrupted (Ctrl-C; rerun with --resume)")
     parser.add_argument("--task", required=True, choices=("caption", "ocr", "embed"), help="what to compute")
     parser.add_argument("--input", required=True, metavar="DIR|FILE.jsonl|LIST",
                         help="a directory (recursive, by image extension), an OpenAI-batch JSONL "

@@ -1,7 +1,7 @@
 """`kimi-vision batch`: real images (good and bad), a real server on 127.0.0.1, real CLI processes.
 
-One server (tiny random checkpoint: tower, trunk and tokenizer; one CPU encoder worker) serves
-the module. The in-process engine tests reuse that server's loaded `Engine`, so both modes run
+One server (the embedded default checkpoint: tiny random tower, trunk and tokenizer; one CPU
+encoder worker) serves the module. The in-process engine tests reuse that server's loaded `Engine`, so both modes run
 the same weights and their rows can be compared. The kill test SIGKILLs a real `kimi-vision batch`
 process part-way and checks that `--resume` leaves every input in the output exactly once.
 """
@@ -28,6 +28,7 @@ from service.batch.backends import EngineBackend, ServerBackend, local_identity
 from service.batch.inputs import InputError, load_items
 from service.batch.journal import ResumeRefused, fingerprint_path, prepare, shard_dir
 from service.batch.runner import Job, JobSpec, RunOptions
+from service.default_checkpoint import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
@@ -39,27 +40,11 @@ GOOD = ["photo.jpg", "grayscale.png", "sticker_rgba.png", "sub/deeper/palette.pn
 BAD = ["sub/not_an_image.jpg", "truncated.png"]
 
 
-def _tiny_checkpoint(directory: Path) -> Path:
-    """The tiny random checkpoint with every part a caption job needs (tower, trunk, tokenizer)."""
-    from service.make_checkpoint import CheckpointPart, make_checkpoint, vision_part
-    from textcore import config as text_config
-    from textcore.model import random_weights
-    from textcore.tiny_vocab import write_tiny_tokenizer
-
-    def trunk(preset, seed):
-        cfg = text_config.preset(preset)
-        return CheckpointPart(tensors=random_weights(cfg, seed), config={"text_config": cfg.to_dict()})
-
-    def tokenizer(preset, seed):
-        files = write_tiny_tokenizer(directory.with_name(directory.name + "-tok"))
-        return CheckpointPart(files={p.name: p.read_bytes() for p in files.iterdir()})
-
-    return make_checkpoint(directory, "tiny", 0, parts=[vision_part, trunk, tokenizer])
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("batch") / "ckpt")
+def checkpoint():
+    """The embedded default (tiny random tower, MXFP4 trunk, tiny tokenizer): what `batch` uses
+    when given no --checkpoint."""
+    return default_checkpoint_dir()
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +313,7 @@ def test_progress_bar_on_a_tty_and_log_lines_otherwise():
 
 def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoint, images, tmp_path):
     output = tmp_path / "emb.jsonl"
-    done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--checkpoint", str(checkpoint),
-                "--devices", "cpu:1")
+    done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--devices", "cpu:1")
     assert done.returncode == 0, done.stderr
     assert f"{len(GOOD)} ok, {len(BAD)} errors" in done.stdout
     rows = _by_id(output)

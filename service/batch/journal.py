@@ -84,6 +84,7 @@ def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool) -> Prior
     """Make `output` ready to append to (see `check`); on a resume, clean it and return what the
     earlier runs did."""
     if check(output, fingerprint, resume=resume):
+        output.touch()  # a kill between writing the job file and creating the output leaves none
         return _compact(output)
     _write_atomic(fingerprint_path(output), (json.dumps(fingerprint, indent=2, sort_keys=True) + "\n").encode())
     output.parent.mkdir(parents=True, exist_ok=True)
