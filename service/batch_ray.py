@@ -32,8 +32,9 @@ from service.batch.journal import check, prepare
 from service.batch.runner import JobSpec, Recorder, RunOptions, Summary, caption_row, embed_row, error_row
 
 
-def _preprocess(row: dict[str, Any]) -> dict[str, Any]:
-    """One image file -> the model input (uint8 padded image; patches are made in the actor)."""
+def _preprocess(row: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """One image file -> the model input (uint8 padded image; patches are made in the actor).
+    `where` prefixes errors as the engine does (the image's place in the chat, for captions)."""
     from service.engine import EngineConfig
     from vision import ImageError, Limits, preprocess_image
 
@@ -45,7 +46,7 @@ def _preprocess(row: dict[str, Any]) -> dict[str, Any]:
         pre = preprocess_image(bytes(row["bytes"]),
                                limits=Limits(max_bytes=defaults.max_image_bytes, max_pixels=defaults.max_image_pixels))
     except ImageError as e:
-        out["error"] = f"bad image: {e}"
+        out["error"] = f"bad image: {where}{e}"
     else:
         out.update(image=pre.image.tobytes(), height=pre.image.shape[0], width=pre.image.shape[1],
                    grid=list(pre.grid_thw), num_tokens=int(pre.num_tokens), prompt=pre.prompt)
@@ -200,7 +201,7 @@ def _run(ray: Any, spec: JobSpec, items: Sequence[Item], output: Path, fingerpri
         if pending:
             dataset = (
                 ray.data.read_binary_files(list(by_path), include_paths=True, ignore_missing_paths=True)
-                .map(_preprocess)
+                .map(_preprocess, fn_kwargs={"where": "" if spec.task == "embed" else "messages[0].content[0]: "})
                 .map_batches(ModelActor, batch_size=4, batch_format="numpy",
                              compute=ray.data.ActorPoolStrategy(size=actors), num_gpus=1 if gpus else 0, num_cpus=1,
                              fn_constructor_kwargs={"checkpoint": checkpoint, "task": spec.task,

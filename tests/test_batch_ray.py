@@ -16,13 +16,13 @@ import pytest
 import ray
 from safetensors.numpy import load_file
 
-from service.batch.backends import PoolBackend
+from service.batch.backends import EngineBackend
 from service.batch.inputs import InputError, load_items
 from service.batch.journal import ResumeRefused
 from service.batch.runner import Job, JobSpec, RunOptions
 from service.batch_ray import run_ray_job
 from service.default_checkpoint import default_checkpoint_dir
-from vision.pool import EncoderPool
+from service.engine import Engine, EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -52,29 +52,40 @@ def _tensor(output: Path, row: dict) -> np.ndarray:
     return load_file(str(output.parent / row["embedding"]["file"]))[row["embedding"]["key"]]
 
 
-def test_ray_embed_rows_equal_local_rows(local_ray, tmp_path):
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ray-in")
+    (folder / "sub").mkdir()
+    shutil.copy(REPO_ROOT / "samples" / "grayscale.png", folder / "gray.png")
+    shutil.copy(REPO_ROOT / "samples" / "sticker_rgba.png", folder / "sub" / "sticker.png")
+    (folder / "sub" / "bad.jpg").write_text("not a JPEG")
+    return load_items(folder)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The local engine the Ray rows are compared with (embedded default checkpoint, one worker)."""
+    loaded = Engine.load(EngineConfig(devices="cpu:1", cache_bytes=0))
+    yield loaded
+    loaded.close()
+
+
+def _local(spec: JobSpec, items, output: Path, engine) -> None:
+    async def go():
+        options = RunOptions(concurrency=2, tty=False, handle_sigint=False)
+        return await Job(spec, items, output, EngineBackend(engine), resume=False, options=options).run()
+
+    asyncio.run(go())
+
+
+def test_ray_embed_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
     checkpoint = str(default_checkpoint_dir())
-    (tmp_path / "in" / "sub").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "samples" / "grayscale.png", tmp_path / "in" / "gray.png")
-    shutil.copy(REPO_ROOT / "samples" / "sticker_rgba.png", tmp_path / "in" / "sub" / "sticker.png")
-    (tmp_path / "in" / "sub" / "bad.jpg").write_text("not a JPEG")
-    items = load_items(tmp_path / "in")
     spec = JobSpec("embed")
-
     local_out = tmp_path / "local.jsonl"
-
-    async def local_job():
-        backend = PoolBackend(EncoderPool(checkpoint, "cpu:1"), checkpoint, owns=True)
-        try:
-            return await Job(spec, items, local_out, backend, resume=False,
-                             options=RunOptions(concurrency=2, tty=False, handle_sigint=False)).run()
-        finally:
-            await backend.close()
-
-    asyncio.run(local_job())
+    _local(spec, inputs, local_out, engine)
 
     ray_out = tmp_path / "ray.jsonl"
-    summary = run_ray_job(spec, items, ray_out, resume=False, checkpoint=checkpoint, concurrency=1,
+    summary = run_ray_job(spec, inputs, ray_out, resume=False, checkpoint=checkpoint, concurrency=1,
                           options=RunOptions(tty=False))
     assert (summary.ok, summary.errors, summary.exit_code) == (2, 1, 0)
     local, via_ray = _rows(local_out), _rows(ray_out)
@@ -87,11 +98,23 @@ def test_ray_embed_rows_equal_local_rows(local_ray, tmp_path):
     assert Path(str(ray_out) + ".job.json").read_text() == Path(str(local_out) + ".job.json").read_text()
 
     # A finished job resumed on Ray does nothing; changed options are refused before any Ray work.
-    again = run_ray_job(spec, items, ray_out, resume=True, checkpoint=checkpoint, options=RunOptions(tty=False))
+    again = run_ray_job(spec, inputs, ray_out, resume=True, checkpoint=checkpoint, options=RunOptions(tty=False))
     assert (again.skipped, again.processed) == (3, 0)
     with pytest.raises(ResumeRefused, match="task: was \"embed\", now \"caption\""):
-        run_ray_job(JobSpec("caption"), items, ray_out, resume=True, checkpoint=checkpoint)
+        run_ray_job(JobSpec("caption"), inputs, ray_out, resume=True, checkpoint=checkpoint)
     jsonl = tmp_path / "x.jsonl"
     jsonl.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n')
     with pytest.raises(InputError, match="--engine ray takes a directory or a list"):
         run_ray_job(spec, load_items(jsonl), tmp_path / "y.jsonl", resume=False, checkpoint=checkpoint)
+
+
+def test_ray_caption_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
+    spec = JobSpec("caption", max_new_tokens=5)
+    local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    _local(spec, inputs, local_out, engine)
+    summary = run_ray_job(spec, inputs, ray_out, resume=False, concurrency=1, options=RunOptions(tty=False))
+    assert (summary.ok, summary.errors) == (2, 1)
+    local, via_ray = _rows(local_out), _rows(ray_out)
+    assert via_ray["gray.png"]["tokens"]["completion"] == 5
+    assert {k: _comparable(v) for k, v in via_ray.items()} == {k: _comparable(v) for k, v in local.items()}
+    assert via_ray["sub/bad.jpg"]["error"].startswith("bad image: messages[0].content[0]: not a recognised image")
