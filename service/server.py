@@ -251,8 +251,8 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def _embed(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
         engine = self._engine
-        sizes = await engine.run_cpu(engine.image_sizes, images)
-        _check_pixels(sizes, self._config)
+        if len(images) > 1:  # one image is bounded by the engine's per-image limits alone
+            _check_pixels(await engine.run_cpu(engine.image_sizes, images), self._config)
         return await engine.embed_images(images)
 
     # -- unary --------------------------------------------------------------------------------
@@ -262,7 +262,6 @@ class VisionService(pb_grpc.VisionServiceServicer):
         async with self._server.call("Preprocess", context):
             image = _Images(self._config).add(request.image)
             engine = self._engine
-            _check_pixels(await engine.run_cpu(engine.image_sizes, [image]), self._config)
             pre = await engine.run_cpu(engine.preprocess, image)
             reply = pb.PreprocessResponse(
                 orig_width=pre.orig_size[0], orig_height=pre.orig_size[1], width=pre.size[0], height=pre.size[1],

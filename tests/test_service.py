@@ -131,9 +131,9 @@ def stopper(server, checkpoint):
 
 @pytest.fixture()
 def narrow(server):
-    """One slot, no queue, sharing the main server's engine."""
-    handle = ServerThread(ServerConfig(port=0, max_concurrency=1, max_queue=0, drain_grace_s=60),
-                          engine=server.engine).wait_ready()
+    """One slot, no queue, at most 3,000 decoded pixels per request; shares the main server's engine."""
+    config = ServerConfig(port=0, max_concurrency=1, max_queue=0, drain_grace_s=60, max_request_pixels=3000)
+    handle = ServerThread(config, engine=server.engine).wait_ready()
     yield handle
     handle.stop()
 
@@ -383,6 +383,13 @@ def test_export_without_directory_is_failed_precondition(narrow):
     with VisionClient(narrow.target, timeout=60) as c:
         err = _code(lambda: c.encode([user("x", _png(28, 28))], export_vllm_ec=True))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--ec-export-dir" in err.details()
+
+
+def test_request_pixel_cap(narrow):
+    with VisionClient(narrow.target, timeout=60) as c:
+        assert len(c.encode([user("two", _png(30, 50), _png(50, 30))]).header.spans) == 2  # 3,000 pixels
+        err = _code(lambda: c.encode([user("two", _png(30, 50), _png(50, 31))]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "3050 pixels; the limit is 3000" in err.details()
 
 
 def _trunk_idle_within(engine, seconds: float) -> bool:
