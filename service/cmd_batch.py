@@ -58,6 +58,8 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--server and --engine ray exclude each other (Ray runs the model in its own actors)"
     if args.server and (args.checkpoint or args.devices != "auto"):
         return "--checkpoint and --devices do not apply with --server (the server has its own)"
+    if args.engine == "ray" and args.devices != "auto":
+        return "--devices does not apply with --engine ray (one model actor per GPU, or --concurrency CPU actors)"
     if args.ray_address and args.engine != "ray":
         return "--ray-address needs --engine ray"
     if args.task == "embed" and (args.prompt is not None or args.max_new_tokens is not None):

@@ -2,8 +2,9 @@
 
 One server (the embedded default checkpoint: tiny random tower, trunk and tokenizer; one CPU
 encoder worker) serves the module. The in-process engine tests reuse that server's loaded `Engine`, so both modes run
-the same weights and their rows can be compared. The kill test SIGKILLs a real `kimi-vision batch`
-process part-way and checks that `--resume` leaves every input in the output exactly once.
+the same weights and their rows can be compared. A real `kimi-vision batch` process is stopped with
+Ctrl-C, then SIGKILLed part-way through its resume; the next `--resume` must leave every input in
+the output exactly once.
 """
 
 from __future__ import annotations
@@ -165,6 +166,28 @@ def test_resume_drops_a_torn_last_line_and_transient_failures(tmp_path):
         prepare(output, fp, resume=False)
     with pytest.raises(ResumeRefused, match=r"options differ .*task: was \"caption\", now \"ocr\""):
         prepare(output, {"format": "x", "task": "ocr"}, resume=True)
+
+    # A row whose embedding shard is gone runs again; a shard no row points to is deleted.
+    shards = shard_dir(output)
+    shards.mkdir()
+    (shards / "shard-00001.safetensors").write_bytes(b"kept")
+    (shards / "shard-00002.safetensors").write_bytes(b"orphan: written just before a crash, rows never were")
+    (shards / ".shard-00003.safetensors.tmp").write_bytes(b"cut short")
+    embedded = [{"custom_id": "e1", "status": "ok", "embedding": {"file": f"{output.name}.embeddings/shard-00001"
+                                                                         ".safetensors", "key": "e1"}},
+                {"custom_id": "e2", "status": "ok", "embedding": {"file": f"{output.name}.embeddings/gone"
+                                                                         ".safetensors", "key": "e2"}}]
+    with output.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in embedded))
+    prior = prepare(output, fp, resume=True)
+    assert prior.done == {"a", "b", "e1"} and prior.retrying == 1
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-00001.safetensors"]
+
+    # Anything but a last line that is not a row means someone else edited the file: refuse.
+    output.write_text('{"custom_id": "a", "status": "ok"}\nnot json\n{"custom_id": "b", "status": "ok"}\n')
+    with pytest.raises(ResumeRefused, match="line 2 of .* is not a result row"):
+        prepare(output, fp, resume=True)
+
     fingerprint_path(output).unlink()
     with pytest.raises(ResumeRefused, match="job file .* is missing"):
         prepare(output, fp, resume=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ class Prior:
     errors: int = 0  # permanent errors (kept, not retried)
     retrying: int = 0  # transient errors dropped so they run again
     torn: bool = False  # a torn last line was dropped
+    dropped: int = 0  # whole rows not kept (transient failures, rows whose shard is gone)
     orphan_shards: list[str] = field(default_factory=list)  # embedding shards no kept row points to
+    shards: set[str] = field(default_factory=set)  # shard files the kept rows point to
 
 
 def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -93,54 +96,77 @@ def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool) -> Prior
 
 
 def _compact(output: Path) -> Prior:
-    """Read the existing rows; rewrite the file without a torn tail and transient failures."""
-    prior = Prior()
-    data = output.read_bytes()
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline, else an unfinished line
-    prior.torn = bool(tail)
-    kept: list[bytes] = []
-    shards: set[str] = set()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            custom_id = row["custom_id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            if lineno == len(lines) and not tail:
-                prior.torn = True  # a last line cut mid-write, then a newline from nowhere: still torn
-                continue
-            raise ResumeRefused(f"cannot resume: line {lineno} of {output} is not a result row; the file was "
-                                "changed by something else. Fix or remove that line.") from None
-        if custom_id in prior.done:
-            continue  # cannot happen with this writer; never count an id twice
-        if row.get("status") == "error" and row.get("transient"):
-            prior.retrying += 1
-            continue
-        embedding = row.get("embedding")
-        if row.get("status") == "ok" and embedding:
-            if not (output.parent / embedding["file"]).is_file():
-                prior.retrying += 1  # its shard is gone: compute it again
-                continue
-            shards.add(embedding["file"])
-        prior.done.add(custom_id)
-        if row.get("status") == "ok":
-            prior.ok += 1
-        else:
-            prior.errors += 1
-        kept.append(line + b"\n")
-    if prior.torn or prior.retrying or len(kept) != sum(1 for line in lines if line.strip()):
-        _write_atomic(output, b"".join(kept))
+    """Read the existing rows; rewrite the file without a torn tail and transient failures.
+
+    Streams the file (a job of millions of rows must not need its output in memory): one pass to
+    decide, and only when something must go, a second pass writing the kept lines to a temporary
+    file that replaces the output atomically. Both passes decide alike (same file, same shards).
+    """
+    prior = _scan(output, keep=None)
+    if prior.dropped or prior.torn:
+        tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            prior = _scan(output, keep=f.write)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, output)
+        _fsync_dir(output.parent)
     directory = shard_dir(output)
     if directory.is_dir():
         for shard in sorted(directory.glob("shard-*.safetensors")):
-            if shard.relative_to(output.parent).as_posix() not in shards:
+            if shard.relative_to(output.parent).as_posix() not in prior.shards:
                 prior.orphan_shards.append(str(shard))
                 shard.unlink()
         for partial in directory.glob(".shard-*.tmp"):  # a shard cut short by a crash
             partial.unlink()
     return prior
+
+
+def _scan(output: Path, keep: Callable[[bytes], Any] | None) -> Prior:
+    """Decide line by line which rows a resume keeps (passing each kept line to `keep`)."""
+    prior = Prior()
+    bad_line = 0
+    with open(output, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if bad_line:
+                raise ResumeRefused(f"cannot resume: line {bad_line} of {output} is not a result row; the file "
+                                    "was changed by something else. Fix or remove that line.")
+            if not line.endswith(b"\n"):
+                prior.torn = True  # the last line, cut mid-write by a crash
+                break
+            try:
+                row = json.loads(line)
+                custom_id = row["custom_id"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                bad_line = lineno  # tolerated only as the very last line
+                continue
+            if not _keeps(row, custom_id, output, prior):
+                prior.dropped += 1
+            elif keep is not None:
+                keep(line)
+    if bad_line:
+        prior.torn = True
+    return prior
+
+
+def _keeps(row: dict[str, Any], custom_id: str, output: Path, prior: Prior) -> bool:
+    if custom_id in prior.done:
+        return False  # cannot happen with this writer; never count an id twice
+    if row.get("status") == "error" and row.get("transient"):
+        prior.retrying += 1
+        return False
+    embedding = row.get("embedding")
+    if row.get("status") == "ok" and embedding:
+        if not (output.parent / embedding["file"]).is_file():
+            prior.retrying += 1  # its shard is gone: compute it again
+            return False
+        prior.shards.add(embedding["file"])
+    prior.done.add(custom_id)
+    if row.get("status") == "ok":
+        prior.ok += 1
+    else:
+        prior.errors += 1
+    return True
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
