@@ -483,7 +483,7 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
     import signal
 
     pool = server.engine.pool
-    data = _png(2000, 2000, seed=99)  # ~20k patches: the tiny tower needs a while on them
+    data = _png(1000, 1000, seed=99)  # ~5k patches: the tiny tower needs a while on them
     with concurrent.futures.ThreadPoolExecutor(1) as runner:
         call = runner.submit(client.embed, data)
         deadline = time.monotonic() + 60
