@@ -2,7 +2,8 @@
 
 Runs every input image through the model (in this process by default, on a running server with
 `--server`, or on Ray Data with `--engine ray`) and appends one JSON line per input to OUT.jsonl:
-`custom_id`, `status` (ok/error), `text`, `tokens`, `error`, `timings`; `embed` also writes
+`custom_id`, `status` (ok/error), `text`, `tokens`, `error` (with `transient`), `timings` (ms;
+the keys depend on the engine); `embed` also writes
 safetensors shards to `OUT.jsonl.embeddings/` and records the shard file and tensor key. The
 options that change results are kept in `OUT.jsonl.job.json`; `--resume` continues a stopped or
 killed job (each input ends up exactly once) and refuses if those options changed.

@@ -155,6 +155,14 @@ class Summary:
         done = f"{self.processed} processed: {self.ok} ok, {self.errors} errors, {self.transient} transient"
         parts = [f"batch {self.task}: {self.inputs} inputs, {self.skipped} already done; {done}",
                  f"in {self.elapsed_s:.1f} s ({self.rate:.2f} img/s) -> {output}"]
+        prior = self.prior
+        if prior.done or prior.dropped or prior.torn:
+            resumed = f"resumed: kept {prior.ok} ok and {prior.errors} error rows, ran {prior.retrying} again"
+            if prior.torn:
+                resumed += ", dropped a torn last line"
+            if prior.orphan_shards:
+                resumed += f", deleted {len(prior.orphan_shards)} orphan shard(s)"
+            parts.append(resumed)
         if self.transient:
             parts.append("rerun with --resume to retry the transient failures")
         if self.interrupted:
