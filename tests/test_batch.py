@@ -251,6 +251,39 @@ def test_jsonl_input_through_the_server(server, tmp_path):
     assert "base64" in rows["broken-base64"]["error"] and rows["broken-base64"]["transient"] is False
 
 
+def test_transient_failures_are_recorded_then_retried_by_resume(server, images, tmp_path):
+    """A server that goes away mid-job: its items become transient rows (exit 75), too many in a
+    row stop the job (exit 1), and --resume on a healthy server redoes exactly those."""
+    spec = JobSpec("embed")
+    output = tmp_path / "out.jsonl"
+
+    async def against_a_vanishing_server(max_consecutive: int | None):
+        doomed = ServerThread(ServerConfig(port=0), engine=server.engine).wait_ready()
+        backend = await ServerBackend.connect(doomed.target)
+        doomed.drain(0)
+        doomed.stop()
+        try:
+            options = RunOptions(concurrency=1, retries=1, backoff_s=0.01, max_consecutive_transient=max_consecutive,
+                                 tty=False, handle_sigint=False)
+            return await Job(spec, load_items(images), output, backend, resume=True, options=options).run()
+        finally:
+            await backend.close()
+
+    summary = asyncio.run(against_a_vanishing_server(None))
+    assert (summary.ok, summary.transient, summary.exit_code) == (0, len(GOOD + BAD), 75)
+    assert all(r["transient"] and r["error"].startswith("server UNAVAILABLE") for r in _rows(output))
+    assert "rerun with --resume to retry the transient failures" in summary.line(output)
+
+    output.unlink()
+    stopped = asyncio.run(against_a_vanishing_server(2))
+    assert stopped.exit_code == 1 and stopped.transient == 2 and "2 transient failures in a row" in stopped.aborted
+
+    summary = _server_run(server.target, spec, images, output, resume=True)
+    assert summary.prior.retrying == 2 and summary.skipped == 0
+    assert (summary.ok, summary.errors, summary.transient, summary.exit_code) == (len(GOOD), len(BAD), 0, 0)
+    assert sorted(_by_id(output)) == sorted(GOOD + BAD)
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "service.cli", "batch", *args], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
