@@ -188,3 +188,48 @@ def test_bit_exact_random_sizes(w: int, h: int, kind: str, seed: int) -> None:
 def test_bit_exact_random_resized_strips(long: int, short: int, tall: bool) -> None:
     w, h = (short, long) if tall else (long, short)
     assert_matches_reference(make_image("RGBA", w, h, long))
+
+
+# --- the zero-copy path and its process-wide allocator switch ---------------------------------
+def test_pixels_view_is_pillows_memory_and_falls_back_when_not_exportable() -> None:
+    from vision.preprocess import _pixels_view, _single_block_images, _to_padded_rgb
+
+    rgb = np.random.default_rng(5).integers(0, 256, (2100, 2100, 3), dtype=np.uint8)
+    # 17.6 MB as Pillow stores it (4 bytes per pixel): over its default 16 MiB block
+    split = Image.fromarray(rgb)  # allocated outside the switch: several blocks, no export
+    assert _pixels_view(split) is None
+    with _single_block_images():
+        whole = Image.fromarray(rgb)
+    view = _pixels_view(whole)
+    assert view is not None and view.shape == (2100, 2100, 4) and not view.flags.writeable
+    assert np.array_equal(view[:, :, :3], rgb)
+    # Both routes give the same padded canvas (the fallback copies through tobytes).
+    assert np.array_equal(_to_padded_rgb(split, (2114, 2128)), _to_padded_rgb(whole, (2114, 2128)))
+    del whole
+    assert view[-1, -1, 0] == rgb[-1, -1, 0], "the view keeps Pillow's memory alive"
+
+
+def test_allocator_switch_is_restored_after_success_error_and_concurrent_calls() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vision import ImageError
+
+    core = Image.core
+    if not hasattr(core, "set_use_block_allocator"):
+        pytest.skip("Pillow < 11.2 has no single-block allocator (preprocess_image copies through tobytes)")
+    data = make_image("RGBA", 300, 200)
+    expected = reference_preprocess(data)["image"]
+    for before in (0, 1):
+        core.set_use_block_allocator(before)
+        try:
+            preprocess_image(data)
+            assert core.get_use_block_allocator() == before
+            with pytest.raises(ImageError):
+                preprocess_image(data[: len(data) // 2])  # truncated pixel data fails inside the switch
+            assert core.get_use_block_allocator() == before
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(lambda _: preprocess_image(data).image, range(8)))
+            assert all(np.array_equal(r, expected) for r in results)
+            assert core.get_use_block_allocator() == before
+        finally:
+            core.set_use_block_allocator(0)

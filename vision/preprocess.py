@@ -5,15 +5,21 @@ The reference steps, and how this module does each one:
   2. Pillow BICUBIC resize in the image's native mode -> Pillow itself (it *is* the reference)
   3. checkerboard compositing after the resize (float32 blend, truncation)
                                 -> one gather from a 2x256x256 table built with the same float32 ops
-  4. black bottom/right padding -> one copy into a canvas whose padding is zeroed
+  4. black bottom/right padding -> one copy from Pillow's own pixel memory (no `tobytes`) into a
+                                   canvas whose padding is zeroed
   5. normalisation `(x/255.0).astype(float32) - 0.5) * 2.0` -> a 256-entry table built by those ops
-  6. row-major 14x14 patches    -> one uint8 re-layout, then one table lookup into the float32 output
+  6. row-major 14x14 patches    -> uint8 re-layout, then one table lookup into the float32 output,
+                                   a band of patch rows at a time (built lazily, on first use)
 Steps 3 and 5 are exact because their inputs are uint8: a table over every possible input holds
 exactly what the float expression gives. `resize="fast"` swaps step 2 for OpenCV (not exact).
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -99,19 +105,35 @@ class Preprocessed:
         return self._pixel_values
 
 
+# Patch rows are built a band at a time so the uint8 re-layout stays in the CPU cache between
+# its two uses; about 256 KiB of input pixels per band (one patch row of a 4000-px-wide image).
+_BAND_BYTES = 256 * 1024
+
+
 def patchify_normalise(image: np.ndarray) -> np.ndarray:
     """uint8 (H, W, 3) with H, W multiples of 14 -> normalised float32 [H/14 * W/14, 3, 14, 14]."""
     import cv2
 
     h, w, c = image.shape
     rows, cols, p = h // PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE
-    # Re-layout the uint8 pixels first (a quarter of the bytes of the float output): rows of
-    # 14*3 bytes stay contiguous in the first pass, the channel split happens in the second.
-    strips = np.ascontiguousarray(image.reshape(rows, p, cols, p * c).transpose(0, 2, 1, 3))
-    patches = np.ascontiguousarray(strips.reshape(rows, cols, p, p, c).transpose(0, 1, 4, 2, 3))
-    # The table lookup writes the float32 output once (cv2.LUT: a plain gather, no arithmetic).
-    out = cv2.LUT(patches.reshape(-1, p), NORMALISE_TABLE)
+    out = np.empty((rows, cols, c, p, p), dtype=np.float32)
+    band = max(1, _BAND_BYTES // (p * w * c))
+    for top in range(0, rows, band):
+        bottom = min(rows, top + band)
+        # Re-layout the uint8 pixels (a quarter of the bytes of the float output) into patch order,
+        # then one table lookup writes the float32 output once (cv2.LUT: a plain gather).
+        pixels = image[top * p : bottom * p].reshape(bottom - top, p, cols, p, c)
+        patches = np.ascontiguousarray(pixels.transpose(0, 2, 4, 1, 3))
+        target = out[top:bottom].reshape(-1, p)
+        _written_into(target, cv2.LUT(patches.reshape(-1, p), NORMALISE_TABLE, dst=target))
     return out.reshape(rows * cols, c, p, p)
+
+
+def _written_into(target: np.ndarray, result: np.ndarray) -> None:
+    # OpenCV returns `dst` itself when it wrote into it, and a new array when it could not use it;
+    # the second would leave uninitialised memory in the output, so it is an error, never silent.
+    if result is not target:
+        raise RuntimeError("OpenCV did not write into the output array it was given")
 
 
 def _checker_index(height: int, width: int) -> np.ndarray:
@@ -139,20 +161,114 @@ def _padded_canvas(height: int, width: int, padded_size: tuple[int, int]) -> np.
     return canvas
 
 
+# --- Pillow's pixels without a copy ----------------------------------------------------------
+# Pillow holds RGB and RGBA images as 4 bytes per pixel. `np.asarray(image)` goes through
+# `tobytes()`, which packs every pixel to 3 bytes into a new bytes object: for a 12 MP photo that
+# costs most of what the JPEG decode itself costs. Pillow's Arrow export (Pillow >= 11.2) hands out
+# the image's own memory instead, but only for an image held in one block, and Pillow's default
+# allocator splits images over 16 MiB into several. Its single-block allocator (the switch Pillow's
+# Arrow documentation points to) is process-wide, so it is on only while `preprocess_image`
+# decodes, resizes and converts, and goes back to its previous state when the last such call in
+# the process leaves. Concurrent calls share the switch (a count under a lock) rather than queue on
+# it; other Pillow users in the process meanwhile get single-block images, which changes where
+# their memory comes from and nothing else. Without that API the copy through `tobytes` is used.
+_single_block_lock = threading.Lock()
+_single_block_users = 0
+_single_block_before = 0
+
+
+@contextmanager
+def _single_block_images() -> Iterator[None]:
+    global _single_block_users, _single_block_before
+    core = Image.core
+    if not hasattr(core, "set_use_block_allocator"):  # Pillow < 11.2
+        yield
+        return
+    with _single_block_lock:
+        if _single_block_users == 0:
+            _single_block_before = core.get_use_block_allocator()
+            core.set_use_block_allocator(1)
+        _single_block_users += 1
+    try:
+        yield
+    finally:
+        with _single_block_lock:
+            _single_block_users -= 1
+            if _single_block_users == 0:
+                core.set_use_block_allocator(_single_block_before)
+
+
+class _ArrowArray(ctypes.Structure):
+    """`struct ArrowArray` of the Arrow C data interface (a stable ABI)."""
+
+
+_ArrowArray._fields_ = [
+    ("length", ctypes.c_int64),
+    ("null_count", ctypes.c_int64),
+    ("offset", ctypes.c_int64),
+    ("n_buffers", ctypes.c_int64),
+    ("n_children", ctypes.c_int64),
+    ("buffers", ctypes.POINTER(ctypes.c_void_p)),
+    ("children", ctypes.POINTER(ctypes.POINTER(_ArrowArray))),
+    ("dictionary", ctypes.c_void_p),
+    ("release", ctypes.c_void_p),
+    ("private_data", ctypes.c_void_p),
+]
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+class _ExportedPixels:
+    """What numpy wraps: the address of Pillow's pixels, plus the Arrow capsule, which holds a
+    reference on the image memory for as long as any array made from this object lives."""
+
+    def __init__(self, capsule: object, address: int, shape: tuple[int, int, int]) -> None:
+        self.capsule = capsule
+        self.__array_interface__ = {"version": 3, "shape": shape, "typestr": "|u1", "data": (address, True)}
+
+
+def _pixels_view(image: Image.Image) -> np.ndarray | None:
+    """A read-only uint8 (H, W, 4) view of an RGB or RGBA image's own memory (for RGB the fourth
+    byte is Pillow's padding), or None where Pillow cannot export it (several blocks, old Pillow)."""
+    w, h = image.size
+    try:
+        _schema, capsule = image.__arrow_c_array__()
+    except (AttributeError, ValueError):
+        return None
+    array = _ArrowArray.from_address(_capsule_pointer(capsule, b"arrow_array"))
+    # Pillow exports 4-band images as one fixed-size list of 4 uint8 per pixel: a child array
+    # whose second buffer holds all the bytes, row after row.
+    if array.n_children != 1 or array.length != w * h or array.offset != 0:
+        return None
+    child = array.children[0].contents
+    if child.n_buffers != 2 or child.length != 4 * w * h or child.offset != 0 or not child.buffers[1]:
+        return None
+    return np.asarray(_ExportedPixels(capsule, child.buffers[1], (h, w, 4)))
+
+
 def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarray:
     """Resized image -> uint8 (Hp, Wp, 3): compositing or RGB conversion, then black padding."""
+    import cv2
+
     composite = _needs_composite(image)
+    mode = "RGBA" if composite else "RGB"
     with pillow_quiet():
-        if composite:
-            pixels = np.asarray(image if image.mode == "RGBA" else image.convert("RGBA"))
-        else:
-            pixels = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+        source = image if image.mode == mode else image.convert(mode)
+    pixels = _pixels_view(source)
+    if pixels is None:
+        pixels = np.asarray(source)  # (H, W, 3 or 4), through a copy
     h, w = pixels.shape[:2]
     canvas = _padded_canvas(h, w, padded_size)
     if composite:
         # One gather per value from the flattened [background, alpha, value] table.
         key = (_checker_index(h, w).astype(np.uint32) << 16) | (pixels[:, :, 3].astype(np.uint32) << 8)
         canvas[:h, :w] = _COMPOSITE_FLAT[key[:, :, None] + pixels[:, :, :3]]
+    elif pixels.shape[2] == 4:
+        # Drop Pillow's padding byte while copying into the canvas (numpy's strided copy of 3 of
+        # every 4 bytes is several times slower than OpenCV's).
+        target = canvas[:h, :w]
+        _written_into(target, cv2.cvtColor(pixels, cv2.COLOR_RGBA2RGB, dst=target))
     else:
         canvas[:h, :w] = pixels
     canvas.flags.writeable = False
@@ -232,15 +348,16 @@ def preprocess_image(
     _check_options(max_tokens, resize)
     image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
     try:
-        decoded = decode(image, header)
-        plan = _plan(header, max_tokens)
-        if decoded.size != plan.orig_size:
-            raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
-        resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
-        try:
-            padded = _to_padded_rgb(resized, plan.padded_size)
-        except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
-            raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
+        with _single_block_images():  # every image Pillow allocates from here on is exportable
+            decoded = decode(image, header)
+            plan = _plan(header, max_tokens)
+            if decoded.size != plan.orig_size:
+                raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
+            resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
+            try:
+                padded = _to_padded_rgb(resized, plan.padded_size)
+            except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
+                raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
     finally:
         image.close()
     w, h = plan.orig_size
