@@ -125,6 +125,7 @@ def _channel_options(max_send_bytes: int, max_receive_bytes: int) -> list[tuple[
     return [
         ("grpc.max_send_message_length", max_send_bytes),
         ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.http2.lookahead_bytes", 16 << 20),  # large replies (pixels, embeddings) in fewer round trips
     ]
 
 
