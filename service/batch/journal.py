@@ -7,7 +7,7 @@ Exactly-once rests on three rules:
 - `--resume` first makes the file clean: it drops a torn last line and the rows of transient
   failures (those items run again) by rewriting the file atomically (temporary file, fsync,
   rename), then skips every id that still has a row;
-- the options that change results are stored beside the output (`OUT.job.json`) and a resume
+- the options that change results are stored beside the output (`<output>.job.json`) and a resume
   with different options is refused, so one file never mixes two jobs.
 """
 
