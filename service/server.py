@@ -494,7 +494,7 @@ class VisionServer:
             ("grpc.max_send_message_length", cfg.max_send_bytes),
             ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
             # A 64 KiB initial stream window makes a multi-MB image take many round trips before
-            # BDP probing grows it; start large (bench/service.py: about halves a 2.5 MB request).
+            # BDP probing grows it; start large.
             ("grpc.http2.lookahead_bytes", 16 << 20),
         ])
         pb_grpc.add_VisionServiceServicer_to_server(VisionService(self), server)
