@@ -184,7 +184,7 @@ class VisionClient:
         return self.timeout if timeout is None else timeout
 
     def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
-        """"SERVING" or "NOT_SERVING" (the grpc.health.v1 status name)."""
+        """The grpc.health.v1 status name: "SERVING" or "NOT_SERVING"."""
         reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 

@@ -62,7 +62,7 @@ def _domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     from service.splice import SpliceError
     from textcore.chat import ChatError
     from vision.errors import ImageError, UnsupportedMediaError
-    from vision.pool import WorkerDiedError
+    from vision.pool import PoolClosedError, WorkerDiedError
 
     if isinstance(exc, UnsupportedMediaError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc)
@@ -72,6 +72,8 @@ def _domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.INVALID_ARGUMENT, f"bad chat: {exc}"
     if isinstance(exc, WorkerDiedError):
         return grpc.StatusCode.UNAVAILABLE, f"encoder worker died; retry: {exc}"
+    if isinstance(exc, PoolClosedError):
+        return grpc.StatusCode.UNAVAILABLE, "no encoder worker is available on this server; retry elsewhere"
     return None
 
 

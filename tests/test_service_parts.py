@@ -101,7 +101,7 @@ def test_vllm_encoder_cache_layout(tmp_path):
 def test_error_mapping_is_one_table():
     from textcore.chat import ChatError
     from vision.errors import ImageDecodeError, UnsupportedMediaError
-    from vision.pool import WorkerDiedError
+    from vision.pool import PoolClosedError, WorkerDiedError
 
     cases = [
         (errors.BadRequest("x"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -111,6 +111,7 @@ def test_error_mapping_is_one_table():
         (UnsupportedMediaError("video"), grpc.StatusCode.UNIMPLEMENTED),
         (ChatError("role"), grpc.StatusCode.INVALID_ARGUMENT),
         (WorkerDiedError("died"), grpc.StatusCode.UNAVAILABLE),
+        (PoolClosedError("closed"), grpc.StatusCode.UNAVAILABLE),
         (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
     ]
     for exc, code in cases:
