@@ -15,11 +15,18 @@ nothing. A client that gets RESOURCE_EXHAUSTED backs off
 10-50 ms, like a polite caller, and tries again with its next request.
 
 Reports throughput, latency p50/p99 per method (OK answers), status-code counts, and the
-server's RSS at start, middle and end, sampled every 0.5 s; the leak check compares the median
-RSS of the two halves of the run (after a short warm-up that is not measured). Checks (exit 1 if
-one fails): only OK and RESOURCE_EXHAUSTED appear; the server answers health SERVING at the end;
-RSS drift between the halves < 5 % (enforced for runs of 60 s or more only: shorter runs are
-too short for a leak to show, and their drift is reported, not judged).
+server's RSS at start, middle and end, sampled every 0.5 s under load. Under load the RSS swings
+by +-100 MB with whichever large images happen to be in flight, which would drown a leak, so the
+leak check uses *settled* RSS: the run is cut into rounds (5 s each by default); after each one
+the clients stop, the in-flight requests finish, and RSS is read after a one-second pause. The
+drift is the mean settled RSS of the second half of the rounds over that of the first half,
+after a warm-up that is not measured (120 s by default: on the 2-core dev box the settled RSS
+climbs for one to two minutes, as glibc's per-thread arenas and gRPC's buffers reach their
+working size, then stays flat within +-40 MB for as long as the load runs, 4 minutes measured).
+The least-squares slope of settled RSS over time is reported as well. Checks (exit 1 if one fails): only OK and
+RESOURCE_EXHAUSTED appear; the server answers health SERVING at the end; the drift is < 5 %
+(judged for runs of 60 s or more only: shorter runs are too short for a leak to show, and their
+drift is reported, not judged).
 """
 
 from __future__ import annotations
@@ -234,12 +241,31 @@ async def _client(target: str, run: Run, images: dict, stop_at: float, max_reque
 
 
 async def drive(target: str, clients: int, seconds: float, max_requests: int, images: dict, *,
-                record: bool = True, embed_max_pixels: int = 1 << 20) -> Run:
-    run = Run()
+                record: bool = True, embed_max_pixels: int = 1 << 20, run: Run | None = None) -> Run:
+    """`clients` clients for `seconds`; returns when every client's last request has finished."""
+    run = run if run is not None else Run()
     stop_at = time.monotonic() + seconds
     await asyncio.gather(*(_client(target, run, images, stop_at, max_requests, seed, record, embed_max_pixels)
                            for seed in range(clients)))
     return run
+
+
+async def measure(server: Server, args: argparse.Namespace, images: dict
+                  ) -> tuple[Run, list[tuple[float, int]], float]:
+    """The measured run in rounds: (results, settled (t, RSS) after each round, seconds under load)."""
+    run, settled, busy = Run(), [], 0.0
+    rounds = args.rounds or max(2, round(args.seconds / 5))
+    start = time.monotonic()
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        await drive(server.target, args.clients, args.seconds / rounds, args.max_requests, images, run=run,
+                    embed_max_pixels=args.embed_max_pixels)
+        busy += time.monotonic() - t0
+        await asyncio.sleep(args.settle_seconds)
+        rss = server.rss()
+        if rss is not None:
+            settled.append((time.monotonic() - start, rss[0]))
+    return run, settled, busy
 
 
 async def _health(target: str) -> str:
@@ -258,8 +284,8 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarise(run: Run, samples: list[tuple[float, int, int]], seconds: float, args: argparse.Namespace,
-              health: str) -> dict:
+def summarise(run: Run, samples: list[tuple[float, int, int]], settled: list[tuple[float, int]], seconds: float,
+              args: argparse.Namespace, health: str) -> dict:
     results = run.results
     codes = Counter(r.code for r in results)
     ok = [r for r in results if r.code == "OK"]
@@ -270,10 +296,12 @@ def summarise(run: Run, samples: list[tuple[float, int, int]], seconds: float, a
                               "codes": dict(Counter(r.code for r in results if r.method == method))}
     all_lat = [r.seconds * 1e3 for r in ok]
     rss = [s[1] for s in samples]
-    half = seconds / 2
-    first = [s[1] for s in samples if s[0] < half]
-    second = [s[1] for s in samples if s[0] >= half]
-    drift = (statistics.median(second) / statistics.median(first) - 1) if first and second else float("nan")
+    half = len(settled) // 2
+    first = [r for _, r in settled[:half]]
+    second = [r for _, r in settled[len(settled) - half:]]  # an odd middle round belongs to neither
+    drift = (statistics.mean(second) / statistics.mean(first) - 1) if first and second else float("nan")
+    slope = (statistics.linear_regression([t for t, _ in settled], [r / 2**20 for _, r in settled]).slope * 60
+             if len(settled) >= 2 else float("nan"))
     unexpected = sorted(set(codes) - {"OK", "RESOURCE_EXHAUSTED"})
     checks = {
         "only_ok_or_resource_exhausted": not unexpected,
@@ -289,9 +317,12 @@ def summarise(run: Run, samples: list[tuple[float, int, int]], seconds: float, a
                    "cache_mb": args.cache_mb},
         "rss_mib": {"start": rss[0] / 2**20 if rss else None, "middle": rss[len(rss) // 2] / 2**20 if rss else None,
                     "end": rss[-1] / 2**20 if rss else None, "max": max(rss) / 2**20 if rss else None,
-                    "median_first_half": statistics.median(first) / 2**20 if first else None,
-                    "median_second_half": statistics.median(second) / 2**20 if second else None,
+                    "settled": [round(r / 2**20, 1) for _, r in settled],
+                    "settled_first_half": statistics.mean(first) / 2**20 if first else None,
+                    "settled_second_half": statistics.mean(second) / 2**20 if second else None,
+                    "settled_slope_mib_per_min": slope,
                     "drift": drift, "samples": len(rss),
+                    "timeline": [(round(t, 1), round(m / 2**20)) for t, m, _ in samples[::10]],
                     "workers_start": samples[0][2] / 2**20 if samples else None,
                     "workers_end": samples[-1][2] / 2**20 if samples else None},
         "health_at_end": health, "checks": checks,
@@ -308,10 +339,12 @@ def print_report(report: dict) -> None:
         print(f"{method:<12} {m['ok']:>6} {m['p50_ms']:>9.1f} {m['p99_ms']:>9.1f}  {m['codes']}")
     r = report["rss_mib"]
     if r["start"] is not None:
-        print(f"server RSS MiB: start {r['start']:.0f}, middle {r['middle']:.0f}, end {r['end']:.0f}, "
-              f"max {r['max']:.0f}; median first half {r['median_first_half']:.1f}, second half "
-              f"{r['median_second_half']:.1f}: drift {r['drift'] * 100:+.2f} %; encoder workers "
-              f"{r['workers_start']:.0f} -> {r['workers_end']:.0f} MiB")
+        print(f"server RSS MiB under load: start {r['start']:.0f}, middle {r['middle']:.0f}, end {r['end']:.0f}, "
+              f"max {r['max']:.0f}; encoder workers {r['workers_start']:.0f} -> {r['workers_end']:.0f}")
+    if r["settled"]:
+        print(f"settled RSS MiB after each round: {r['settled']}; first half {r['settled_first_half']:.1f}, "
+              f"second half {r['settled_second_half']:.1f}: drift {r['drift'] * 100:+.2f} %; "
+              f"slope {r['settled_slope_mib_per_min']:+.1f} MiB/min")
     print("checks:", report["checks"])
 
 
@@ -321,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-pid", type=int, help="its pid, for RSS (with --target)")
     p.add_argument("--clients", type=int, default=24)
     p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--warmup-seconds", type=float, default=5.0, help="load before the measured run (not counted)")
+    p.add_argument("--warmup-seconds", type=float, default=120.0, help="load before the measured run (not counted)")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop the measured run after this many")
+    p.add_argument("--rounds", type=int, default=0, help="rounds of the measured run (default: one per 5 s, >= 2)")
+    p.add_argument("--settle-seconds", type=float, default=1.0, help="pause after each round before reading RSS")
     p.add_argument("--embed-max-pixels", type=int, default=1 << 20,
                    help="largest image sent to Embed/Encode (default 1 MP: CPU; use 20000000 on a GPU)")
     p.add_argument("--devices", default="cpu:1", help="for the server this starts")
@@ -344,17 +379,14 @@ def main(argv: list[str] | None = None) -> int:
                               record=False, embed_max_pixels=args.embed_max_pixels))
         sampler = RssSampler(server)
         sampler.start()
-        start = time.monotonic()
-        run = asyncio.run(drive(server.target, args.clients, args.seconds, args.max_requests, images,
-                                embed_max_pixels=args.embed_max_pixels))
-        elapsed = time.monotonic() - start
+        run, settled, elapsed = asyncio.run(measure(server, args, images))
         sampler.stop()
         health = asyncio.run(_health(server.target))
     finally:
         if sampler is not None and sampler.is_alive():
             sampler.stop()
         exit_code = server.stop()
-    report = summarise(run, sampler.samples, elapsed, args, health)
+    report = summarise(run, sampler.samples, settled, elapsed, args, health)
     report["server_exit_code"] = exit_code
     print_report(report)
     if exit_code not in (None, 0):
