@@ -32,10 +32,10 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
         self._log = logger
 
     def _emit(self, method: str, context: grpc.aio.ServicerContext, code: grpc.StatusCode | None, start: float,
-              size_in: int, size_out: int) -> None:
+              size_in: int, size_out: int | None) -> None:
         code = code or context.code() or grpc.StatusCode.OK
-        self._log.info("%s peer=%s code=%s ms=%.1f in=%d out=%d", method, context.peer(), code.name,
-                       (time.perf_counter() - start) * 1e3, size_in, size_out)
+        self._log.info("%s peer=%s code=%s ms=%.1f in=%d out=%s", method, context.peer(), code.name,
+                       (time.perf_counter() - start) * 1e3, size_in, "?" if size_out is None else size_out)
 
     async def intercept_service(
         self,
@@ -81,7 +81,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                     code = grpc.StatusCode.CANCELLED
                     raise
                 finally:
-                    emit(method, context, code, start, _size(request), -1)
+                    emit(method, context, code, start, _size(request), None)  # written via context.write
 
             return grpc.unary_stream_rpc_method_handler(writer, handler.request_deserializer,
                                                         handler.response_serializer)
