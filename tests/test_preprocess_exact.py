@@ -190,46 +190,31 @@ def test_bit_exact_random_resized_strips(long: int, short: int, tall: bool) -> N
     assert_matches_reference(make_image("RGBA", w, h, long))
 
 
-# --- the zero-copy path and its process-wide allocator switch ---------------------------------
-def test_pixels_view_is_pillows_memory_and_falls_back_when_not_exportable() -> None:
-    from vision.preprocess import _pixels_view, _single_block_images, _to_padded_rgb
+# --- reading Pillow's pixels without tobytes ---------------------------------------------------
+def test_pixels_view_is_pillows_own_memory() -> None:
+    from vision.preprocess import _pixels_view
 
-    rgb = np.random.default_rng(5).integers(0, 256, (2100, 2100, 3), dtype=np.uint8)
-    # 17.6 MB as Pillow stores it (4 bytes per pixel): over its default 16 MiB block
-    split = Image.fromarray(rgb)  # allocated outside the switch: several blocks, no export
-    assert _pixels_view(split) is None
-    with _single_block_images():
-        whole = Image.fromarray(rgb)
-    view = _pixels_view(whole)
-    assert view is not None and view.shape == (2100, 2100, 4) and not view.flags.writeable
+    rgb = np.random.default_rng(4).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    image = Image.fromarray(rgb)
+    view = _pixels_view(image)
+    assert view is not None and view.shape == (50, 70, 4) and not view.flags.writeable
     assert np.array_equal(view[:, :, :3], rgb)
-    # Both routes give the same padded canvas (the fallback copies through tobytes).
-    assert np.array_equal(_to_padded_rgb(split, (2114, 2128)), _to_padded_rgb(whole, (2114, 2128)))
-    del whole
-    assert view[-1, -1, 0] == rgb[-1, -1, 0], "the view keeps Pillow's memory alive"
+    del image
+    assert np.array_equal(view[:, :, :3], rgb), "the view keeps Pillow's memory alive"
 
 
-def test_allocator_switch_is_restored_after_success_error_and_concurrent_calls() -> None:
-    from concurrent.futures import ThreadPoolExecutor
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_images_in_several_blocks_are_read_in_bands(mode: str) -> None:
+    from k3_reference import reference_fill
 
-    from vision import ImageError
+    from vision.preprocess import _pixel_bands, _pixels_view, _to_padded_rgb
 
-    core = Image.core
-    if not hasattr(core, "set_use_block_allocator"):
-        pytest.skip("Pillow < 11.2 has no single-block allocator (preprocess_image copies through tobytes)")
-    data = make_image("RGBA", 300, 200)
-    expected = reference_preprocess(data)["image"]
-    for before in (0, 1):
-        core.set_use_block_allocator(before)
-        try:
-            preprocess_image(data)
-            assert core.get_use_block_allocator() == before
-            with pytest.raises(ImageError):
-                preprocess_image(data[: len(data) // 2])  # truncated pixel data fails inside the switch
-            assert core.get_use_block_allocator() == before
-            with ThreadPoolExecutor(4) as pool:
-                results = list(pool.map(lambda _: preprocess_image(data).image, range(8)))
-            assert all(np.array_equal(r, expected) for r in results)
-            assert core.get_use_block_allocator() == before
-        finally:
-            core.set_use_block_allocator(0)
+    pixels = np.random.default_rng(5).integers(0, 256, (2100, 2100, len(mode)), dtype=np.uint8)
+    pixels[:300, :, -1] = 0 if mode == "RGBA" else pixels[:300, :, -1]  # transparent rows: checkerboard
+    image = Image.fromarray(pixels, mode).copy()  # 17.6 MB in Pillow's own memory: over its 16 MiB block
+    assert _pixels_view(image) is None, "the case must need bands"
+    tops = [top for top, _ in _pixel_bands(image)]
+    assert len(tops) > 1 and tops[1] % 8 != 0, "band edges must cut through checkerboard squares"
+    out = _to_padded_rgb(image, (2114, 2128))
+    assert np.array_equal(out[:2100, :2100], reference_fill(image))
+    assert not out[2100:].any() and not out[:, 2100:].any()

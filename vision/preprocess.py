@@ -5,8 +5,8 @@ The reference steps, and how this module does each one:
   2. Pillow BICUBIC resize in the image's native mode -> Pillow itself (it *is* the reference)
   3. checkerboard compositing after the resize (float32 blend, truncation)
                                 -> one gather from a 2x256x256 table built with the same float32 ops
-  4. black bottom/right padding -> one copy from Pillow's own pixel memory (no `tobytes`) into a
-                                   canvas whose padding is zeroed
+  4. black bottom/right padding -> one copy from Pillow's own pixel memory (no `tobytes`), a band
+                                   of rows at a time, into a canvas whose padding is zeroed
   5. normalisation `(x/255.0).astype(float32) - 0.5) * 2.0` -> a 256-entry table built by those ops
   6. row-major 14x14 patches    -> uint8 re-layout, then one table lookup into the float32 output,
                                    a band of patch rows at a time (built lazily, on first use)
@@ -17,9 +17,7 @@ exactly what the float expression gives. `resize="fast"` swaps step 2 for OpenCV
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -136,10 +134,10 @@ def _written_into(target: np.ndarray, result: np.ndarray) -> None:
         raise RuntimeError("OpenCV did not write into the output array it was given")
 
 
-def _checker_index(height: int, width: int) -> np.ndarray:
-    # 0 where the square is white, 1 where gray; built per call, never cached (an image-sized
-    # background held in a cache is the reference's memory pitfall).
-    ys = (np.arange(height) // CHECKER_SQUARE % 2).astype(np.uint8)
+def _checker_index(top: int, bottom: int, width: int) -> np.ndarray:
+    # 0 where the square is white, 1 where gray, for rows top..bottom-1; built per call, never
+    # cached (an image-sized background held in a cache is the reference's memory pitfall).
+    ys = (np.arange(top, bottom) // CHECKER_SQUARE % 2).astype(np.uint8)
     xs = (np.arange(width) // CHECKER_SQUARE % 2).astype(np.uint8)
     return ys[:, None] ^ xs[None, :]
 
@@ -161,41 +159,18 @@ def _padded_canvas(height: int, width: int, padded_size: tuple[int, int]) -> np.
     return canvas
 
 
-# --- Pillow's pixels without a copy ----------------------------------------------------------
+# --- Pillow's pixels without tobytes ---------------------------------------------------------
 # Pillow holds RGB and RGBA images as 4 bytes per pixel. `np.asarray(image)` goes through
 # `tobytes()`, which packs every pixel to 3 bytes into a new bytes object: for a 12 MP photo that
-# costs most of what the JPEG decode itself costs. Pillow's Arrow export (Pillow >= 11.2) hands out
-# the image's own memory instead, but only for an image held in one block, and Pillow's default
-# allocator splits images over 16 MiB into several. Its single-block allocator (the switch Pillow's
-# Arrow documentation points to) is process-wide, so it is on only while `preprocess_image`
-# decodes, resizes and converts, and goes back to its previous state when the last such call in
-# the process leaves. Concurrent calls share the switch (a count under a lock) rather than queue on
-# it; other Pillow users in the process meanwhile get single-block images, which changes where
-# their memory comes from and nothing else. Without that API the copy through `tobytes` is used.
-_single_block_lock = threading.Lock()
-_single_block_users = 0
-_single_block_before = 0
-
-
-@contextmanager
-def _single_block_images() -> Iterator[None]:
-    global _single_block_users, _single_block_before
-    core = Image.core
-    if not hasattr(core, "set_use_block_allocator"):  # Pillow < 11.2
-        yield
-        return
-    with _single_block_lock:
-        if _single_block_users == 0:
-            _single_block_before = core.get_use_block_allocator()
-            core.set_use_block_allocator(1)
-        _single_block_users += 1
-    try:
-        yield
-    finally:
-        with _single_block_lock:
-            _single_block_users -= 1
-            if _single_block_users == 0:
-                core.set_use_block_allocator(_single_block_before)
+# costs most of what the JPEG decode itself costs. Pillow's Arrow export (recent releases) hands
+# out the image's own memory instead, but only for an image held in one block, and Pillow's
+# allocator splits images over 16 MiB into several. Such an image is read a band of rows at a
+# time: each band is cropped (a row-by-row memcpy into a small image that stays in the CPU cache)
+# and exported. Pillow's process-wide allocator settings are left alone on purpose: its
+# single-block allocator would make every large decode one fresh allocation that the OS has to
+# page in (measured: about 12,000 page faults, ~50 ms, per 12 MP decode once the process is warm),
+# which costs more than the crops, and it would change every other Pillow user in the process.
+_ROW_BAND_BYTES = 1024 * 1024
 
 
 class _ArrowArray(ctypes.Structure):
@@ -230,7 +205,7 @@ class _ExportedPixels:
 
 def _pixels_view(image: Image.Image) -> np.ndarray | None:
     """A read-only uint8 (H, W, 4) view of an RGB or RGBA image's own memory (for RGB the fourth
-    byte is Pillow's padding), or None where Pillow cannot export it (several blocks, old Pillow)."""
+    byte is Pillow's padding), or None where Pillow cannot export it (several blocks, older Pillow)."""
     w, h = image.size
     try:
         _schema, capsule = image.__arrow_c_array__()
@@ -247,6 +222,22 @@ def _pixels_view(image: Image.Image) -> np.ndarray | None:
     return np.asarray(_ExportedPixels(capsule, child.buffers[1], (h, w, 4)))
 
 
+def _pixel_bands(image: Image.Image) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, uint8 pixels) for bands of rows covering an RGB or RGBA image, top to bottom:
+    (rows, W, 4) views of Pillow's memory (for RGB the fourth byte is Pillow's padding), or
+    (rows, W, 3 or 4) copies through `tobytes` where Pillow cannot export (an older Pillow)."""
+    view = _pixels_view(image)
+    if view is not None:
+        yield 0, view
+        return
+    w, h = image.size
+    rows = max(1, _ROW_BAND_BYTES // (4 * w))
+    for top in range(0, h, rows):
+        band = image.crop((0, top, w, min(h, top + rows)))
+        view = _pixels_view(band)
+        yield top, view if view is not None else np.asarray(band)
+
+
 def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarray:
     """Resized image -> uint8 (Hp, Wp, 3): compositing or RGB conversion, then black padding."""
     import cv2
@@ -255,22 +246,21 @@ def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarr
     mode = "RGBA" if composite else "RGB"
     with pillow_quiet():
         source = image if image.mode == mode else image.convert(mode)
-    pixels = _pixels_view(source)
-    if pixels is None:
-        pixels = np.asarray(source)  # (H, W, 3 or 4), through a copy
-    h, w = pixels.shape[:2]
+    w, h = source.size
     canvas = _padded_canvas(h, w, padded_size)
-    if composite:
-        # One gather per value from the flattened [background, alpha, value] table.
-        key = (_checker_index(h, w).astype(np.uint32) << 16) | (pixels[:, :, 3].astype(np.uint32) << 8)
-        canvas[:h, :w] = _COMPOSITE_FLAT[key[:, :, None] + pixels[:, :, :3]]
-    elif pixels.shape[2] == 4:
-        # Drop Pillow's padding byte while copying into the canvas (numpy's strided copy of 3 of
-        # every 4 bytes is several times slower than OpenCV's).
-        target = canvas[:h, :w]
-        _written_into(target, cv2.cvtColor(pixels, cv2.COLOR_RGBA2RGB, dst=target))
-    else:
-        canvas[:h, :w] = pixels
+    for top, pixels in _pixel_bands(source):
+        bottom = top + pixels.shape[0]
+        if composite:
+            # One gather per value from the flattened [background, alpha, value] table.
+            key = (_checker_index(top, bottom, w).astype(np.uint32) << 16) | (pixels[:, :, 3].astype(np.uint32) << 8)
+            canvas[top:bottom, :w] = _COMPOSITE_FLAT[key[:, :, None] + pixels[:, :, :3]]
+        elif pixels.shape[2] == 4:
+            # Drop Pillow's padding byte while copying into the canvas (numpy's strided copy of 3
+            # of every 4 bytes is several times slower than OpenCV's).
+            target = canvas[top:bottom, :w]
+            _written_into(target, cv2.cvtColor(pixels, cv2.COLOR_RGBA2RGB, dst=target))
+        else:
+            canvas[top:bottom, :w] = pixels
     canvas.flags.writeable = False
     return canvas
 
@@ -348,16 +338,15 @@ def preprocess_image(
     _check_options(max_tokens, resize)
     image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
     try:
-        with _single_block_images():  # every image Pillow allocates from here on is exportable
-            decoded = decode(image, header)
-            plan = _plan(header, max_tokens)
-            if decoded.size != plan.orig_size:
-                raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
-            resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
-            try:
-                padded = _to_padded_rgb(resized, plan.padded_size)
-            except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
-                raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
+        decoded = decode(image, header)
+        plan = _plan(header, max_tokens)
+        if decoded.size != plan.orig_size:
+            raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
+        resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
+        try:
+            padded = _to_padded_rgb(resized, plan.padded_size)
+        except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
+            raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
     finally:
         image.close()
     w, h = plan.orig_size
