@@ -1,5 +1,6 @@
-"""Faults with real processes: an encoder worker killed mid-request, SIGTERM to a serving
-`kimi-vision serve`, and clients that give up while queued.
+"""Faults with real processes: an encoder worker killed mid-request, clients that give up while
+queued, overload (bench/load.py in short form: only RESOURCE_EXHAUSTED sheds load), and SIGTERM
+to a serving `kimi-vision serve` (the same process, after the overload run).
 
 To hold a request "mid-request" deterministically the tests freeze the encoder worker with
 SIGSTOP: the request is then in the worker's hands (the pool counts it in flight) for as long as
