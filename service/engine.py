@@ -103,30 +103,12 @@ class EngineConfig:
     max_new_tokens_limit: int = 8192
 
 
-class DecodableLogits:
-    """The trunk as `textcore.generate` uses it, with the logits of ids the tokenizer cannot decode
-    set to -inf.
-
-    The tiny default keeps the release's 163,840-row head, but its vocabulary has only a few hundred
-    base tokens; its random head would otherwise sample ids that have no text. With the release
-    tokenizer every id decodes and the engine uses the trunk directly.
-    """
-
-    def __init__(self, model: Any, decodable: torch.Tensor) -> None:
-        self.model = model
-        self.cfg = model.cfg
-        self.device = model.device
-        self._blocked = ~decodable.to(model.device)
-
-    def new_cache(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.new_cache(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.model(*args, **kwargs).masked_fill(self._blocked, float("-inf"))
-
-
 def decodable_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
-    """Bool [vocab_size]: ids the tokenizer can turn into text (its base ranks and the specials)."""
+    """Bool [vocab_size]: ids the tokenizer can turn into text (its base ranks and the specials).
+
+    The tiny default keeps the release's 163,840-row head but its vocabulary has only a few hundred
+    base tokens; its random head would otherwise sample ids that have no text. With the release
+    tokenizer every id decodes and the mask is all true."""
     from textcore.tokenizer import NUM_BASE_TOKENS
 
     mask = torch.zeros(vocab_size, dtype=torch.bool)
@@ -159,7 +141,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model = model
         decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
-        self._sampler = model if bool(decodable.all()) else DecodableLogits(model, decodable)
+        self._allowed_ids = None if bool(decodable.all()) else decodable
         self.pool = pool
         self.hidden_size = int(pool.config.text_hidden_size)
         self.limits = Limits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
@@ -361,7 +343,8 @@ class Engine:
 
         if cancelled.is_set():
             raise GenerationStopped
-        (result,) = generate(self._sampler, inputs_embeds=[embeds], params=params, on_token=on_token)
+        (result,) = generate(self.model, inputs_embeds=[embeds], params=params, on_token=on_token,
+                             allowed_ids=self._allowed_ids)
         tail = parser.feed([END_OF_MSG_ID]) if result.finish_reason == "stop" else []
         for event in tail + parser.close():
             emit(event)

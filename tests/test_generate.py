@@ -96,3 +96,14 @@ def test_bad_prompts_are_named(model):
         generate(model, inputs_embeds=[torch.zeros(3, 5)])
     with pytest.raises(ValueError, match="exactly one"):
         generate(model)
+
+
+def test_allowed_ids_restrict_what_is_sampled(model):
+    vocab = model.cfg.vocab_size
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[[5, 17, 300]] = True
+    for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)):
+        (out,) = generate(model, input_ids=[[1, 2, 3]], params=params, allowed_ids=allowed)
+        assert out.tokens and set(out.tokens) <= {5, 17, 300}
+    with pytest.raises(ValueError, match="allowed_ids must be a bool mask"):
+        generate(model, input_ids=[[1]], allowed_ids=torch.ones(7, dtype=torch.bool))

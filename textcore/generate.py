@@ -79,11 +79,14 @@ def generate(
     params: SamplingParams = SamplingParams(),  # noqa: B008 (frozen dataclass)
     on_token: Callable[[int, int], None] | None = None,
     latent_cache_dtype: torch.dtype | None = None,
+    allowed_ids: torch.Tensor | None = None,
 ) -> list[Generation]:
     """Generate for a batch of prompts (token id lists, or `[T_i, hidden]` embedding tensors).
 
     on_token(sequence_index, token_id) streams each generated token (stop tokens excluded) as soon
-    as it is sampled. Returns one Generation per prompt, in order.
+    as it is sampled. allowed_ids (bool `[vocab]`) restricts what may be sampled, e.g. to the ids a
+    tokenizer can decode when its vocabulary is smaller than the head. Returns one Generation per
+    prompt, in order.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -102,6 +105,10 @@ def generate(
     empty = [i for i, p in enumerate(tensors) if p.shape[0] == 0]
     if empty:
         raise ValueError(f"prompt {empty[0]} is empty")
+    if allowed_ids is not None and tuple(allowed_ids.shape) != (model.cfg.vocab_size,):
+        raise ValueError(f"allowed_ids must be a bool mask of shape [{model.cfg.vocab_size}], "
+                         f"got {list(allowed_ids.shape)}")
+    blocked = None if allowed_ids is None else ~allowed_ids.to(device=device, dtype=torch.bool)
     batch, pad_mask = _left_pad(tensors, device)
     B = batch.shape[0]
     gen = None
@@ -117,6 +124,8 @@ def generate(
     results = [Generation([], "length") for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(params.max_new_tokens):
+        if blocked is not None:
+            logits = logits.masked_fill(blocked, float("-inf"))
         next_ids = sample(logits, params, gen)
         is_stop = torch.isin(next_ids, stops)
         for i, (tok, stop, finished) in enumerate(zip(next_ids.tolist(), is_stop.tolist(), done.tolist(),
