@@ -1,6 +1,7 @@
 """Benchmark: Kimi-K3 image preprocessing on CPU, side by side in one run.
 
     .venv/bin/python -m bench.preprocess [--repeats N] [--classes 12mp,48mp,rgba4mp,palette]
+                                         [--before GIT_REV] [--fast]
 
 Per image class (12 MP JPEG; 48 MP JPEG that needs a resize; 4 MP RGBA PNG; palette PNG with
 transparency) it prints the median of N runs of:
@@ -9,9 +10,15 @@ transparency) it prints the median of N runs of:
   straight      the plain reference path (tests/k3_reference.py), pixel_values included
   project       vision.preprocess_image: padded uint8 model input, pixel_values NOT built
   project+pv    the same, then .pixel_values (float32 [N,3,14,14]) built
+  pv-write      allocating and filling a float32 array the size of pixel_values: a floor for
+                building them (every byte of the output written once, nothing read)
+  before, before+pv  (with --before REV) project and project+pv for vision/preprocess.py as it was
+                at git revision REV, loaded next to the current one
   count         vision.count_tokens (header only)
-and the ratios straight/project+pv (target >= 4x on the 12 MP JPEG), project+pv/decode and
-project/decode (target <= 1.5x decode on the 12 MP JPEG), decode/count (target >= 100x).
+and the ratios straight/project+pv (target >= 4x on the 12 MP JPEG), project/decode and
+project+pv/decode (target <= 1.5x decode on the 12 MP JPEG), decode/count (target >= 100x).
+The timed calls take turns (one run of each, N times over), so load that drifts during the run
+hits every column alike. Everything is single-threaded except what OpenCV threads internally.
 Every class first checks that the project output is bit-identical to the straightforward one.
 With --fast it also times resize="fast" on the 48 MP class and reports its error against the
 exact path for OpenCV INTER_AREA (what "fast" uses) and INTER_CUBIC.
@@ -20,8 +27,10 @@ exact path for OpenCV INTER_AREA (what "fast" uses) and INTER_CUBIC.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +39,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
 from k3_reference import reference_preprocess  # noqa: E402
 
 from vision import count_tokens, preprocess_image  # noqa: E402
@@ -79,13 +89,21 @@ TITLES = {
 }
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
+def median_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    return interleaved_ms({"fn": fn}, repeats)["fn"]
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and process CPU time of each function in ms, the functions taking turns
+    `repeats` times. CPU time (all threads, user + system) is what a loaded machine disturbs least."""
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(time.perf_counter() - wall)
+    return {name: {k: 1000 * statistics.median(v) for k, v in t.items()} for name, t in times.items()}
 
 
 def decode_only(data: bytes) -> Image.Image:
@@ -94,22 +112,44 @@ def decode_only(data: bytes) -> Image.Image:
     return im
 
 
-def check_identical(data: bytes) -> None:
+def preprocess_at(rev: str) -> Callable[..., object]:
+    """`preprocess_image` from vision/preprocess.py as it was at git revision `rev` (it imports the
+    rest of the current `vision` package)."""
+    source = subprocess.run(["git", "show", f"{rev}:vision/preprocess.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    name = "vision._preprocess_before"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__package__ = "vision"
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    exec(compile(source, f"{rev}:vision/preprocess.py", "exec"), module.__dict__)
+    return module.preprocess_image
+
+
+def check_identical(data: bytes, before: Callable[..., object] | None) -> None:
     ref = reference_preprocess(data)
-    got = preprocess_image(data)
-    assert np.array_equal(got.image, ref["image"]), "image differs"
-    assert np.array_equal(got.pixel_values.view(np.uint32), ref["pixel_values"].view(np.uint32)), "pixels differ"
+    ref_pv = ref["pixel_values"].view(np.uint32)
+    for fn in (preprocess_image, before) if before else (preprocess_image,):
+        got = fn(data)
+        assert np.array_equal(got.image, ref["image"]), "image differs"
+        assert np.array_equal(got.pixel_values.view(np.uint32), ref_pv), "pixels differ"
 
 
-def bench_class(name: str, repeats: int) -> dict:
+def bench_class(name: str, repeats: int, before: Callable[..., object] | None) -> dict:
     data = make_class(name)
-    check_identical(data)
-    r = {"class": TITLES[name], "bytes": len(data)}
-    r["decode"] = median_ms(lambda: decode_only(data), repeats)
-    r["decode+array"] = median_ms(lambda: np.asarray(decode_only(data)), repeats)
+    check_identical(data, before)
+    pv_shape = preprocess_image(data).pixel_values.shape
+    fns = {
+        "decode": lambda: decode_only(data),
+        "decode+array": lambda: np.asarray(decode_only(data)),
+        "project": lambda: preprocess_image(data),
+        "project+pv": lambda: preprocess_image(data).pixel_values,
+        "pv-write": lambda: np.empty(pv_shape, np.float32).fill(1.0),
+    }
+    if before:
+        fns["before"] = lambda: before(data)
+        fns["before+pv"] = lambda: before(data).pixel_values
+    r = {"class": TITLES[name], "bytes": len(data), **interleaved_ms(fns, repeats)}
     r["straight"] = median_ms(lambda: reference_preprocess(data), max(1, repeats // 2))
-    r["project"] = median_ms(lambda: preprocess_image(data), repeats)
-    r["project+pv"] = median_ms(lambda: preprocess_image(data).pixel_values, repeats)
     r["count"] = median_ms(lambda: count_tokens(data), repeats * 20)
     return r
 
@@ -121,9 +161,10 @@ def fast_report(repeats: int) -> None:
 
     data = make_class("48mp")
     exact = preprocess_image(data)
-    t_exact = median_ms(lambda: preprocess_image(data), repeats)
-    t_fast = median_ms(lambda: preprocess_image(data, resize="fast"), repeats)
-    print(f"\nresize='fast' on the 48 MP JPEG: exact {t_exact:.0f} ms, fast {t_fast:.0f} ms "
+    t = interleaved_ms({"exact": lambda: preprocess_image(data), "fast": lambda: preprocess_image(data, resize="fast")},
+                       repeats)
+    t_exact, t_fast = t["exact"]["wall"], t["fast"]["wall"]
+    print(f"\nresize='fast' on the 48 MP JPEG (wall): exact {t_exact:.0f} ms, fast {t_fast:.0f} ms "
           f"({t_exact / t_fast:.2f}x), image only")
     h, w = exact.size[1], exact.size[0]
     decoded = np.asarray(decode_only(data))
@@ -142,20 +183,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--classes", default="12mp,48mp,rgba4mp,palette")
     parser.add_argument("--fast", action="store_true", help="also report resize='fast' speed and error")
+    parser.add_argument("--before", metavar="GIT_REV", help="also time vision/preprocess.py as of this revision")
     args = parser.parse_args()
     Image.init()
+    before = preprocess_at(args.before) if args.before else None
     preprocess_image(make_class("palette"))  # warm-up: plugin registration, cv2 import
-    rows = [bench_class(name, args.repeats) for name in args.classes.split(",")]
-    cols = ["decode", "decode+array", "straight", "project", "project+pv", "count"]
-    print(f"median of {args.repeats} runs, ms (count: median of {args.repeats * 20}); outputs bit-identical")
-    print("| image | " + " | ".join(cols) + " | straight / project+pv | project+pv / decode | project / decode "
-          "| decode / count |")
-    print("|---" * (len(cols) + 5) + "|")
-    for r in rows:
-        cells = [f"{r[c]:.1f}" if c == "count" else f"{r[c]:.0f}" for c in cols]
-        print(f"| {r['class']} ({r['bytes'] / 1e6:.1f} MB) | " + " | ".join(cells)
-              + f" | {r['straight'] / r['project+pv']:.1f}x | {r['project+pv'] / r['decode']:.2f}x"
-              f" | {r['project'] / r['decode']:.2f}x | {r['decode'] / r['count']:.0f}x |")
+    rows = [bench_class(name, args.repeats, before) for name in args.classes.split(",")]
+    cols = ["decode", "decode+array", "straight", "project", "project+pv", "pv-write"]
+    cols += ["before", "before+pv"] if before else []
+    cols += ["count"]
+    ratios = {  # label -> (numerator, denominator)
+        "straight / project+pv": ("straight", "project+pv"),
+        "project / decode": ("project", "decode"),
+        "project+pv / decode": ("project+pv", "decode"),
+    }
+    if before:
+        ratios["before / decode"] = ("before", "decode")
+        ratios["before+pv / decode"] = ("before+pv", "decode")
+    ratios["decode / count"] = ("decode", "count")
+    for clock, title in (("wall", "wall-clock time"), ("cpu", "process CPU time (all threads, user + system)")):
+        print(f"\n{title}: median of {args.repeats} interleaved runs, ms (straight: median of "
+              f"{max(1, args.repeats // 2)}; count: median of {args.repeats * 20}); outputs bit-identical"
+              + (f"; before = vision/preprocess.py at {args.before}" if before else ""))
+        print("| image | " + " | ".join(cols + list(ratios)) + " |")
+        print("|---" * (len(cols) + len(ratios) + 1) + "|")
+        for r in rows:
+            cells = [f"{r[c][clock]:.1f}" if c == "count" else f"{r[c][clock]:.0f}" for c in cols]
+            for num, den in ratios.values():
+                value = r[num][clock] / r[den][clock]
+                cells.append(f"{value:.0f}x" if den == "count" else f"{value:.2f}x")
+            print(f"| {r['class']} ({r['bytes'] / 1e6:.1f} MB) | " + " | ".join(cells) + " |")
     if args.fast:
         fast_report(max(1, args.repeats // 2))
 
