@@ -1,6 +1,6 @@
 """Benchmark: the KimiLinear trunk on the CPU.
 
-    .venv/bin/python -m bench.trunk [--T 4096] [--heads 8] [--threads 2] [--decode-tokens 32]
+    .venv/bin/python -m bench.trunk [--T 4096] [--heads 8] [--threads 1] [--repeats 2] [--decode-tokens 32]
 
 - KDA: `chunk_kda` (chunked WY form) against `recurrent_kda` (token by token) on the same inputs
   in the same run (best of `--repeats`), at K = V = 128 (the K3 head size), T tokens, `--heads`

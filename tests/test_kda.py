@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from textcore import kda
 from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
 
 
@@ -38,6 +39,26 @@ def test_chunk_matches_recurrent(T, with_state, decay_scale):
     assert o.shape == (2, T, 3, 24) and s.shape == (2, 3, 32, 24)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
+def test_chunk_matches_recurrent_across_slabs(monkeypatch):
+    """Several slabs of chunks (the last one partial) carry the state from slab to slab."""
+    monkeypatch.setattr(kda, "SLAB", 2)
+    q, k, v, g, beta, state = _inputs(1, 5 * CHUNK + 7, 2, 16, 8, seed=11, decay_scale=0.01)
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
+def test_inputs_are_not_modified():
+    """One head, one whole chunk: the chunked layout of g is then a plain view of g, yet chunk_kda
+    must not sum its cumulative decay into the caller's tensor."""
+    inputs = _inputs(1, CHUNK, 1, 16, 8, seed=5)
+    copies = [t.clone() for t in inputs]
+    chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    for t, before in zip(inputs, copies, strict=True):
+        assert torch.equal(t, before)
 
 
 def test_initial_state_matters_and_split_sequences_compose():

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHUNK = 64  # tokens per chunk in chunk_kda
-SUB_CHUNK = 32  # rows sharing one reference point when in-chunk decays are factorised
-SLAB = 8  # chunks whose S-independent parts are computed together (bounds the memory)
+CHUNK = 32  # tokens per chunk in chunk_kda; its decays are factorised around the middle row, so
+# CHUNK / 2 * |LOG_DECAY_MIN| = 80 must stay inside fp32's exp range (~88)
+SLAB = 8  # chunks whose S-independent parts are computed together (bounds memory, keeps them in cache)
 LOG_DECAY_MIN = -5.0  # chunk_kda accepts g in [LOG_DECAY_MIN, 0]; the K3 gate is bounded at -5
 A_LOG_ALIGN = 128  # published A_log: [ceil(heads / 128) * 128], zero beyond the heads (SGLang, NeMo ports)
 L2_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum x^2 + eps), as the reference kernel does
@@ -69,24 +69,18 @@ def recurrent_kda(
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def _decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For x in (q, k): P[t, j] = sum_d x[t, d] k[j, d] exp(G[t, d] - G[j, d]) for j <= t, else 0.
-
-    q, k, G: `[..., C, K]`, G the in-chunk cumulative log decay. exp(G_t - G_j) is factorised as
-    exp(G_t - m) exp(m - G_j) around m, the cumulative decay at the middle row of t's SUB_CHUNK
-    block, so one batched matmul gives every entry. With every g in [LOG_DECAY_MIN, 0] each factor
-    of a kept entry stays within exp(+-SUB_CHUNK/2 * |LOG_DECAY_MIN|) = exp(+-80), finite in fp32;
-    a factor that underflows belongs to an entry below exp(-20), which is negligible.
-    """
-    *lead, C, K = q.shape
-    n, s = C // SUB_CHUNK, SUB_CHUNK
-    Gb = G.reshape(*lead, n, s, K)
-    mid = Gb[..., s // 2: s // 2 + 1, :]  # [..., n, 1, K]
-    rows = torch.stack([q, k]).reshape(2, *lead, n, s, K) * (Gb - mid).exp()
-    # columns after t's block are masked below; the clamp only keeps them finite
-    cols = k.unsqueeze(-3) * (mid - G.unsqueeze(-3)).clamp(max=-LOG_DECAY_MIN * s / 2).exp()  # [..., n, C, K]
-    P = (rows @ cols.transpose(-1, -2)).reshape(2, *lead, C, C).tril()
-    return P[0], P[1]
+def _chunks(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Tokens start:stop of x `[B, T, H, D]` (or `[B, T, H]`) as a new fp32 `[n * B * H, CHUNK, D]`,
+    zero-padded to n whole chunks, chunk-major: chunk i of every head is one contiguous row range
+    and each `[CHUNK, D]` block is contiguous, as batched matmuls want. Always a copy (the caller
+    works on it in place)."""
+    B, _, H = x.shape[:3]
+    x = x[:, start:stop].reshape(B, stop - start, H, -1)
+    n = (stop - start + CHUNK - 1) // CHUNK
+    pad = n * CHUNK - (stop - start)
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # F.pad copies even when pad is 0
+    out = torch.empty(n, B, H, CHUNK, x.shape[-1], device=x.device)
+    return out.copy_(x.view(B, n, CHUNK, H, -1).permute(1, 0, 3, 2, 4)).view(n * B * H, CHUNK, -1)
 
 
 def chunk_kda(
@@ -103,55 +97,62 @@ def chunk_kda(
 
     g must be a log decay in [LOG_DECAY_MIN, 0] (the layer's `-5 * sigmoid(...)` gate always is);
     anything else is refused rather than risking fp32 overflow in the factorised decays.
-    T is padded to a multiple of CHUNK with k = v = beta = g = 0, which leaves the state untouched.
-    Per chunk with cumulative decay G (within the chunk) and chunk-start state S0:
+    The last chunk is padded with k = v = beta = g = 0, which leaves the state untouched.
+    Per chunk of CHUNK tokens with cumulative decay G (within the chunk) and chunk-start state S0:
         (I + A) [U | W] = diag(beta) [V | K*exp(G)],  A[t, j] = beta_t k_t.(exp(G_t - G_j) k_j), j < t
         delta = U - W S0
-        o = (Q*exp(G)) S0 + M delta,                 M[t, j] = q_t.(exp(G_t - G_j) k_j), j <= t
+        o = (Q*exp(G)) S0 + M delta,                 M[t, j] = q_t.(exp(G_t - G_j) k_j), j <= t, Q = scale q
         S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
-    Everything that does not involve S0 is computed for SLAB chunks at once; only the three lines
-    with S0 run chunk by chunk.
+    Everything that does not involve S0 (A, M, Tb = (I + A)^-1 diag(beta), so that [U | W] =
+    Tb [V | K*exp(G)]) is computed for SLAB chunks of all heads at once, as batched matmuls on
+    contiguous [CHUNK, .] blocks. The chunk-by-chunk loop then does four matmuls per chunk:
+        [X_K ; X_Q] = [K*exp(G) ; Q*exp(G)] S0,  delta = Tb (V - X_K),  o = X_Q + M delta,
+        S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
     if g.numel() and (float(g.min()) < LOG_DECAY_MIN or float(g.max()) > 0):
         raise ValueError(f"chunk_kda needs g (log decay) in [{LOG_DECAY_MIN}, 0]; got "
                          f"{float(g.min()):.3g}..{float(g.max()):.3g} (use recurrent_kda)")
-    out_dtype = v.dtype
-    pad = (-T) % CHUNK
-    N = (T + pad) // CHUNK
-
-    def chunked(t: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> fp32 [B, H, N, CHUNK, ...]
-        t = t.float().transpose(1, 2)
-        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
-        return t.reshape(B, H, N, CHUNK, *t.shape[3:])
-
-    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
-    q = q * scale
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
-    eye = torch.eye(CHUNK, device=q.device)
-    o = torch.empty_like(v)
-    for first in range(0, N, SLAB):
-        sl = slice(first, first + SLAB)
-        q_s, k_s, v_s, b_s = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl, :, None]
-        G = g[:, :, sl].cumsum(-2)
-        M, Akk = _decayed_products(q_s, k_s, G)
-        A = Akk.tril(-1) * b_s
-        rhs = b_s * torch.cat([v_s, k_s * G.exp()], dim=-1)
-        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        U = UW[..., :V]
-        # rows [W ; Q*exp(G)] share the product with S0
-        WQ = torch.cat([UW[..., V:], q_s * G.exp()], dim=-2)
-        G_end = G[..., -1:, :]
-        k_to_end = (k_s * (G_end - G).exp()).transpose(-1, -2)  # [B, H, n, K, CHUNK]
-        decay_all = G_end.transpose(-1, -2).exp()  # [B, H, n, K, 1]
-        for i in range(U.shape[2]):
-            X = WQ[:, :, i] @ S
-            delta = U[:, :, i] - X[..., :CHUNK, :]
-            o[:, :, first + i] = X[..., CHUNK:, :] + M[:, :, i] @ delta
-            S = decay_all[:, :, i] * S + k_to_end[:, :, i] @ delta
-    o = o.reshape(B, H, N * CHUNK, V)[:, :, :T].transpose(1, 2).to(out_dtype)
-    return o, (S if output_final_state else None)
+    C, BH = CHUNK, B * H
+    eye = torch.eye(C, device=q.device)
+    S = q.new_zeros(BH, K, V, dtype=torch.float32) if initial_state is None else \
+        initial_state.float().reshape(BH, K, V).clone()
+    o = v.new_empty(B, T, H, V)
+    for start in range(0, T, SLAB * C):
+        stop = min(start + SLAB * C, T)
+        q_s, k_s, v_s, G, b_s = (_chunks(t, start, stop) for t in (q, k, v, g, beta))
+        n = q_s.shape[0] // BH  # chunks in this slab
+        for row in range(1, C):  # cumulative decay within each chunk (in place: faster than cumsum(-2))
+            G[:, row] += G[:, row - 1]
+        # exp(G_t - G_j) = exp(G_t - m) exp(m - G_j) with m = G at the middle row: with g in
+        # [LOG_DECAY_MIN, 0] both factors stay within exp(+-CHUNK/2 * |LOG_DECAY_MIN|) = exp(+-80)
+        mid = G[:, C // 2: C // 2 + 1]  # [n*BH, 1, K]
+        E = (G - mid).exp_()  # exp(G_t - m)
+        k_back = k_s / E  # k_j exp(m - G_j)
+        # KQ = [K*exp(G - m) ; scale Q*exp(G - m)]: one matmul with k_back gives A and M; rescaled by
+        # exp(m) below it is [K*exp(G) ; scale Q*exp(G)], whose one matmul with S0 the loop needs
+        KQ = torch.empty(n * BH, 2 * C, K, device=q.device)
+        torch.mul(k_s, E, out=KQ[:, :C])
+        torch.mul(q_s.mul_(scale), E, out=KQ[:, C:])
+        AM = torch.bmm(KQ, k_back.mT)
+        A = AM[:, :C].tril_(-1).mul_(b_s)
+        M = AM[:, C:].tril_()
+        Tb = torch.linalg.solve_triangular(A.add_(eye), eye.expand_as(A), upper=False, unitriangular=True)
+        Tb.mul_(b_s.mT)  # (I + A)^-1 diag(beta)
+        KQ.view(n * BH, 2, C, K).mul_(mid.exp().unsqueeze(1))
+        G_end = G[:, -1:]
+        k_to_end = k_back.mul_((G_end - mid).exp_()).mT  # [n*BH, K, C]: (k_j exp(G_C - G_j))^T
+        decay = G_end.exp().mT  # [n*BH, K, 1]
+        o_s = torch.empty(n * BH, C, V, device=q.device)
+        for i in range(0, n * BH, BH):
+            heads = slice(i, i + BH)
+            X = torch.bmm(KQ[heads], S)
+            delta = torch.bmm(Tb[heads], v_s[heads] - X[:, :C])  # U - W S0 = Tb (V - K*exp(G) S0)
+            torch.baddbmm(X[:, C:], M[heads], delta, out=o_s[heads])
+            S.mul_(decay[heads]).baddbmm_(k_to_end[heads], delta)
+        o[:, start:stop] = o_s.view(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :stop - start]
+    return o, (S.view(B, H, K, V) if output_final_state else None)
 
 
 class Linear(nn.Linear):
