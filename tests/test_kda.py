@@ -89,5 +89,7 @@ def test_bad_shapes_are_named():
         chunk_kda(q, k, v, g, beta[..., :1])
     with pytest.raises(ValueError, match="log decay"):
         chunk_kda(q, k, v, g - 6, beta)
+    with pytest.raises(ValueError, match="log decay"):
+        chunk_kda(q, k, v, g.index_put((torch.tensor(0),) * 4, torch.tensor(float("nan"))), beta)
     with pytest.raises(ValueError, match="initial_state"):
         recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 5))

@@ -22,7 +22,8 @@ from torch import nn
 
 CHUNK = 32  # tokens per chunk in chunk_kda; its decays are factorised around the middle row, so
 # CHUNK / 2 * |LOG_DECAY_MIN| = 80 must stay inside fp32's exp range (~88)
-SLAB = 8  # chunks whose S-independent parts are computed together (bounds memory, keeps them in cache)
+SLAB = 64  # (chunk, head) blocks whose S-independent parts are computed together: at least one chunk of
+# all heads, otherwise bounded so that the slab's working set (~1 MB per tensor) stays in cache
 LOG_DECAY_MIN = -5.0  # chunk_kda accepts g in [LOG_DECAY_MIN, 0]; the K3 gate is bounded at -5
 A_LOG_ALIGN = 128  # published A_log: [ceil(heads / 128) * 128], zero beyond the heads (SGLang, NeMo ports)
 L2_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum x^2 + eps), as the reference kernel does
@@ -104,23 +105,26 @@ def chunk_kda(
         o = (Q*exp(G)) S0 + M delta,                 M[t, j] = q_t.(exp(G_t - G_j) k_j), j <= t, Q = scale q
         S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
     Everything that does not involve S0 (A, M, Tb = (I + A)^-1 diag(beta), so that [U | W] =
-    Tb [V | K*exp(G)]) is computed for SLAB chunks of all heads at once, as batched matmuls on
+    Tb [V | K*exp(G)]) is computed for a slab of chunks of all heads at once, as batched matmuls on
     contiguous [CHUNK, .] blocks. The chunk-by-chunk loop then does four matmuls per chunk:
         [X_K ; X_Q] = [K*exp(G) ; Q*exp(G)] S0,  delta = Tb (V - X_K),  o = X_Q + M delta,
         S = exp(G_C) * S0 + (K*exp(G_C - G))^T delta
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
-    if g.numel() and (float(g.min()) < LOG_DECAY_MIN or float(g.max()) > 0):
-        raise ValueError(f"chunk_kda needs g (log decay) in [{LOG_DECAY_MIN}, 0]; got "
-                         f"{float(g.min()):.3g}..{float(g.max()):.3g} (use recurrent_kda)")
+    if g.numel():
+        g_min, g_max = (float(x) for x in torch.aminmax(g))
+        if not LOG_DECAY_MIN <= g_min <= g_max <= 0:  # also refuses NaN
+            raise ValueError(f"chunk_kda needs g (log decay) in [{LOG_DECAY_MIN}, 0]; got {g_min:.3g}..{g_max:.3g} "
+                             "(use recurrent_kda)")
     C, BH = CHUNK, B * H
     eye = torch.eye(C, device=q.device)
     S = q.new_zeros(BH, K, V, dtype=torch.float32) if initial_state is None else \
         initial_state.float().reshape(BH, K, V).clone()
     o = v.new_empty(B, T, H, V)
-    for start in range(0, T, SLAB * C):
-        stop = min(start + SLAB * C, T)
+    slab_tokens = max(1, SLAB // BH) * C
+    for start in range(0, T, slab_tokens):
+        stop = min(start + slab_tokens, T)
         q_s, k_s, v_s, G, b_s = (_chunks(t, start, stop) for t in (q, k, v, g, beta))
         n = q_s.shape[0] // BH  # chunks in this slab
         for row in range(1, C):  # cumulative decay within each chunk (in place: faster than cumsum(-2))
