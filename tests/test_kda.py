@@ -51,6 +51,17 @@ def test_chunk_matches_recurrent_across_slabs(monkeypatch):
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
 
 
+def test_chunk_matches_recurrent_at_the_decay_bound():
+    """g = LOG_DECAY_MIN everywhere: the factorised decays reach exp(+-80) and the masked entries
+    above the diagonal overflow, yet the result is exact and finite."""
+    q, k, v, _, beta, state = _inputs(1, 2 * CHUNK + 6, 2, 16, 8, seed=4)
+    g = torch.full_like(q, kda.LOG_DECAY_MIN)
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
 def test_inputs_are_not_modified():
     """One head, one whole chunk: the chunked layout of g is then a plain view of g, yet chunk_kda
     must not sum its cumulative decay into the caller's tensor."""

@@ -139,7 +139,7 @@ def chunk_kda(
         KQ = torch.empty(n * BH, 2 * C, K, device=q.device)
         torch.mul(k_s, E, out=KQ[:, :C])
         torch.mul(q_s.mul_(scale), E, out=KQ[:, C:])
-        AM = torch.bmm(KQ, k_back.mT)
+        AM = torch.bmm(KQ, k_back.mT)  # entries above the diagonal may overflow; tril_ overwrites them
         A = AM[:, :C].tril_(-1).mul_(b_s)
         M = AM[:, C:].tril_()
         Tb = torch.linalg.solve_triangular(A.add_(eye), eye.expand_as(A), upper=False, unitriangular=True)
