@@ -191,15 +191,19 @@ class PoolBackend:
             checkpoint = str(default_checkpoint_dir())
         return cls(EncoderPool(checkpoint, devices), checkpoint, owns=True)
 
-    def _preprocess(self, image: bytes) -> Any:
+    def _preprocess_and_submit(self, image: bytes) -> tuple[Any, Any]:
         from vision import preprocess_image
 
-        return preprocess_image(image, limits=self.limits)
+        pre = preprocess_image(image, limits=self.limits)
+        # Submitting builds the patches and copies them into shared memory: CPU work that belongs
+        # on this thread, not on the event loop (where it would serialise every image).
+        return pre, self.pool.submit(pre)
 
     async def embed(self, image: bytes) -> Embedding:
         try:
-            pre = await asyncio.get_running_loop().run_in_executor(self._executor, self._preprocess, image)
-            rows = await asyncio.wrap_future(self.pool.submit(pre))
+            loop = asyncio.get_running_loop()
+            pre, future = await loop.run_in_executor(self._executor, self._preprocess_and_submit, image)
+            rows = await asyncio.wrap_future(future)
         except Exception as exc:  # noqa: BLE001 - classified; bugs propagate
             raise local_failure(exc) or exc from None
         return Embedding(rows.float().numpy(), tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens))
