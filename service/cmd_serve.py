@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
     parser.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="require 'authorization: Bearer TOKEN' on every RPC except health (default: "
+                             "$KIMI_VISION_AUTH_TOKEN; prefer the variable, flags show in the process list)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="the TLS private key (needs --tls-cert)")
 
 
 def _positive(args: argparse.Namespace, *names: str) -> str | None:
@@ -36,12 +41,34 @@ def _positive(args: argparse.Namespace, *names: str) -> str | None:
     return None
 
 
+def _security(args: argparse.Namespace) -> tuple[tuple, object | None]:
+    """(interceptors, TLS server credentials or None) from the flags; ValueError names a problem."""
+    from service.auth import BearerTokenInterceptor, resolve_token
+    from service.proto_guard import MalformedRequestInterceptor
+    from service.request_log import RequestLogInterceptor
+    from service.tls import server_credentials, tls_paths
+
+    token = resolve_token(args.auth_token)
+    paths = tls_paths(args.tls_cert, args.tls_key)
+    credentials = server_credentials(*paths) if paths else None
+    # In order: the access log (so refused calls are logged too), the token check (before any
+    # request byte is parsed), then the parse itself (corrupt protobuf -> INVALID_ARGUMENT).
+    auth = (BearerTokenInterceptor(token),) if token else ()
+    interceptors = (RequestLogInterceptor(), *auth, MalformedRequestInterceptor())
+    return interceptors, credentials
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _positive(args, "max_concurrency", "max_message_mb", "max_images")
     if problem is None and (args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535):
         problem = "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        interceptors, credentials = _security(args)
+    except ValueError as exc:  # AuthConfigError, TLSConfigError
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
     import asyncio
@@ -56,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=max_bytes,
         max_images=args.max_images, max_image_bytes=max_bytes, max_concurrency=args.max_concurrency,
         max_queue=args.max_queue, drain_grace_s=args.drain_seconds, ec_export_dir=args.ec_export_dir,
+        credentials=credentials, interceptors=interceptors,
     )
     engine_config = EngineConfig(checkpoint=args.checkpoint, devices=args.devices, cache_bytes=args.cache_mb << 20,
                                  max_image_bytes=max_bytes)
