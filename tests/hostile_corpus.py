@@ -6,8 +6,8 @@ milliseconds to make and never exists as pixels on this side.
 
 Outcomes (what a server must answer to `Preprocess`):
   - INVALID_ARGUMENT with a message matching `reason` (a regex, case-insensitive);
-  - UNIMPLEMENTED for media that is not an image at all (the service's taxonomy: video, audio and
-    documents are "unsupported media", not malformed images);
+  - UNIMPLEMENTED for video (configured in K3 but refused by its processor); documents, audio and
+    every other non-image are bad input (INVALID_ARGUMENT, naming what the bytes look like);
   - OK for valid images, whose decoded size is `size` and whose pixels equal the plain reference
     implementation in tests/k3_reference.py.
 """
@@ -265,7 +265,7 @@ def hostile_corpus() -> tuple[HostileCase, ...]:
                     b'height="100000"><rect width="100%" height="100%"/></svg>', INVALID, NOT_IMAGE),
         HostileCase("gzip of zeros", zlib.compress(bytes(1 << 20), 9), INVALID, NOT_IMAGE),
         HostileCase("zip archive", b"PK\x03\x04" + _random_bytes(512, 2), INVALID, NOT_IMAGE),
-        HostileCase("pdf", b"%PDF-1.7\n1 0 obj << /Type /XObject /Subtype /Image >>\nendobj\n%%EOF\n", UNIMPLEMENTED,
+        HostileCase("pdf", b"%PDF-1.7\n1 0 obj << /Type /XObject /Subtype /Image >>\nendobj\n%%EOF\n", INVALID,
                     r"PDF"),
         HostileCase("mp4 video", b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41" + bytes(64),
                     UNIMPLEMENTED, r"video"),
@@ -336,7 +336,7 @@ def hostile_corpus() -> tuple[HostileCase, ...]:
         _valid("png with a zip appended", small_png + b"PK\x03\x04" + _random_bytes(256, 4)),
         _valid("jpeg with html in a comment", jpeg_segments([(0xFE, b"<script>alert(1)</script>")])),
         HostileCase("html with a png appended", b"<html><body>hi</body></html>" + small_png, INVALID, NOT_IMAGE),
-        HostileCase("pdf with a jpeg inside", b"%PDF-1.4\n" + photo + b"\n%%EOF", UNIMPLEMENTED, r"PDF"),
+        HostileCase("pdf with a jpeg inside", b"%PDF-1.4\n" + photo + b"\n%%EOF", INVALID, r"PDF"),
         # -- metadata blocks --------------------------------------------------------------------
         _valid("jpeg: 256 APP2 ICC chunks (16 MiB)", jpeg_segments(
             [(0xE2, b"ICC_PROFILE\x00" + bytes([i + 1, 256 if i < 0 else 255]) + _random_bytes(65000, i))

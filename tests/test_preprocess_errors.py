@@ -81,8 +81,8 @@ BAD_INPUTS = {
                         "video"),
     "webm video": (b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01" + b"\x00" * 64, UnsupportedMediaError, "video"),
     "avi video": (b"RIFF\x00\x10\x00\x00AVI LIST" + b"\x00" * 64, UnsupportedMediaError, "video"),
-    "wav audio": (b"RIFF\x00\x10\x00\x00WAVEfmt " + b"\x00" * 64, UnsupportedMediaError, "audio"),
-    "pdf": (b"%PDF-1.7\n" + b"\x00" * 64, UnsupportedMediaError, "PDF"),
+    "wav audio": (b"RIFF\x00\x10\x00\x00WAVEfmt " + b"\x00" * 64, ImageDecodeError, "audio"),
+    "pdf": (b"%PDF-1.7\n" + b"\x00" * 64, ImageDecodeError, "PDF"),
 }
 # Inputs whose header is sound; only decoding the pixels finds the problem.
 PIXEL_DATA_PROBLEMS = {"png corrupt pixel data", "png header, pixels missing"}

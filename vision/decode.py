@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from .errors import ImageDecodeError, ImageTooLargeError, UnsupportedMediaError
+from .errors import ImageDecodeError, ImageTooLargeError
 from .video import refuse_video
 
 # Formats whose decoders Pillow ships and that have unambiguous signatures (JPEG includes MPO). Formats such as EPS
@@ -216,8 +216,8 @@ def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) ->
     if media is not None:
         if "video" in media:
             refuse_video(f"input looks like {media}")
-        raise UnsupportedMediaError(
-            f"input looks like {media}; Kimi-K3's processor takes still images only "
+        raise ImageDecodeError(
+            f"input looks like {media}, not an image; Kimi-K3's processor takes still images only "
             "(it rejects every other media type): send an image file"
         )
     with pillow_quiet():

@@ -9,7 +9,8 @@ class ImageError(ValueError):
 
 
 class ImageDecodeError(ImageError):
-    """The bytes are not a readable image: unknown format, truncated, or corrupt."""
+    """The bytes are not a readable image: unknown format (documents and audio included), truncated,
+    or corrupt."""
 
 
 class ImageTooLargeError(ImageError):
@@ -17,4 +18,6 @@ class ImageTooLargeError(ImageError):
 
 
 class UnsupportedMediaError(ImageError):
-    """The bytes are media this processor does not take (video, audio, documents)."""
+    """Media the K3 configuration describes but its processor refuses: video. (Bytes that are no
+    media the model knows at all, such as a PDF, are an `ImageDecodeError`: bad input, not an
+    unimplemented feature.)"""
