@@ -22,6 +22,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"serving on (\S+):(\d+)")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the test process dies, even by SIGKILL (a killed or
+    timed-out pytest would otherwise leave a serving process behind). Linux's PR_SET_PDEATHSIG."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def serve_command() -> list[str]:
     """The installed `kimi-vision` script next to this interpreter, else the module."""
     script = Path(sys.executable).with_name("kimi-vision")
@@ -44,7 +52,7 @@ class ServeProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log = open(log_path, "wb")  # the child writes to it for its whole life
         proc = subprocess.Popen([*serve_command(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=full_env,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+                                stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
         log.close()
         found: list[tuple[str, int]] = []
 
