@@ -7,13 +7,7 @@ from textcore.config import END_OF_MSG, tiny
 from textcore.generate import SamplingParams, generate, sample
 from textcore.model import KimiLinearForCausalLM
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

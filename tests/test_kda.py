@@ -6,14 +6,7 @@ import torch
 from textcore import kda
 from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small ops on a CPU shared by many processes: extra threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _inputs(B, T, H, K, V, seed, decay_scale=1.0):

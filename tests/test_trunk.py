@@ -17,13 +17,7 @@ from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 SEED = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops on a CPU shared by many processes: extra threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
