@@ -11,9 +11,7 @@ embedding cache off so every Embed runs the tower), then in one run:
    median of --repeats each. Target: RPC / in-process <= 1.1. The same RPC with the uint8 model
    input returned is shown as well, and CountTokens on the same bytes (2.5 MB sent, header-only
    work): the transport cost an RPC adds, measured on its own because the machine's noise is
-   larger than that cost. This process keeps Pillow's freed blocks as the server does
-   (`vision.decode.keep_pillow_blocks`, `EngineConfig.pillow_blocks`), so the ratio compares the
-   same preprocessing on both sides and measures what the RPC adds.
+   larger than that cost.
 2. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
    for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
 
@@ -89,10 +87,7 @@ def wait_serving(client, proc: subprocess.Popen, timeout_s: float = 600) -> None
 def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
     """Interleaved runs; the order alternates every repeat so slow drifts hit both sides alike."""
     import vision
-    from service.engine import EngineConfig
-    from vision.decode import keep_pillow_blocks
 
-    keep_pillow_blocks(EngineConfig.pillow_blocks)  # the server's setting, on this side too
     vision.preprocess_image(data)  # warm both sides once
     client.preprocess(data)
     calls = {"local": lambda: vision.preprocess_image(data), "rpc": lambda: client.preprocess(data),

@@ -99,7 +99,6 @@ class EngineConfig:
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 64_000_000
     cpu_threads: int = max(2, os.cpu_count() or 2)
-    pillow_blocks: int = 8  # freed 16 MiB Pillow blocks kept for reuse (vision.decode.keep_pillow_blocks)
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 8192
 
@@ -156,10 +155,7 @@ class Engine:
         """Load tokenizer, trunk and encoder pool (blocking; minutes for the real model)."""
         from textcore.model import KimiLinearForCausalLM
         from textcore.tokenizer import Tokenizer
-        from vision.decode import keep_pillow_blocks
         from vision.pool import EncoderPool
-
-        keep_pillow_blocks(config.pillow_blocks)  # this process is the server's: its Pillow is ours
 
         if config.checkpoint is None:
             from service.default_checkpoint import default_checkpoint_dir

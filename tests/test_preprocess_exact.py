@@ -218,21 +218,3 @@ def test_images_in_several_blocks_are_read_in_bands(mode: str) -> None:
     out = _to_padded_rgb(image, (2114, 2128))
     assert np.array_equal(out[:2100, :2100], reference_fill(image))
     assert not out[2100:].any() and not out[:, 2100:].any()
-
-
-def test_keep_pillow_blocks_sets_pillows_block_cache_and_output_is_unchanged():
-    from vision.decode import keep_pillow_blocks
-
-    data = _save(Image.fromarray(np.random.default_rng(7).integers(0, 256, (3000, 1500, 3), dtype=np.uint8)), "PNG")
-    before = Image.core.get_blocks_max()
-    try:
-        keep_pillow_blocks(8)
-        assert Image.core.get_blocks_max() == 8
-        kept = [preprocess_image(data).image for _ in range(2)]  # the second reuses freed blocks
-        keep_pillow_blocks(0)
-        plain = preprocess_image(data).image
-        assert np.array_equal(kept[0], plain) and np.array_equal(kept[1], plain)
-        with pytest.raises(ValueError, match=">= 0"):
-            keep_pillow_blocks(-1)
-    finally:
-        Image.core.set_blocks_max(before)

@@ -284,18 +284,3 @@ def decode(image: Image.Image, header: Header) -> Image.Image:
             raise ImageDecodeError(f"decoded size {image.size} differs from the header's {header.size}")
         method = _TRANSPOSE.get(header.orientation)
         return image.transpose(method) if method is not None else image
-
-
-def keep_pillow_blocks(count: int) -> None:
-    """Let Pillow keep up to `count` freed image blocks (16 MiB each) for reuse. PROCESS-WIDE.
-
-    By default Pillow hands every freed block back to malloc, so each large decode maps fresh
-    pages and takes the page faults again: measured on a 12 MP JPEG, ~126 ms per preprocess with
-    the default against ~75 ms with 8 blocks kept. A library must not change this for its caller;
-    a process that owns itself (the server, a batch job, a benchmark) may. Costs up to
-    `count` x 16 MiB of resident memory.
-    """
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    Image.core.set_blocks_max(count)
-
