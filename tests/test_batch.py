@@ -389,8 +389,9 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
         expected = load_file(str(via_server.parent / ref["file"]))[ref["key"]]
         np.testing.assert_allclose(tensor, expected, rtol=1e-4, atol=1e-5)
         assert row["grid_thw"] == reference[name]["grid_thw"]
-    for name in BAD:
+    for name in BAD:  # decoded in an encoder worker here, in the server's process there: the same row
         assert rows[name]["status"] == "error" and "embedding" not in rows[name]
+        assert rows[name]["error"] == reference[name]["error"] and rows[name]["error"].startswith("bad image: ")
     assert [p.name for p in shard_dir(output).iterdir()] == ["shard-00001.safetensors"]
 
     usage = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--prompt", "x")

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from service.make_checkpoint import make_checkpoint
+from tests.conftest import REPO_ROOT
+from vision import ImageDecodeError, ImageTooLargeError, Limits, preprocess_image
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from vision.encoder import VisionEncoder
-from vision.pool import EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
+from vision.pool import EncodedImage, EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
 
 
 def image(h: int, w: int, seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -111,6 +113,57 @@ def test_killed_worker_fails_only_its_request_and_pool_keeps_serving(pool2, refe
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_encoded_bytes_and_preprocessed_images_equal_in_process_encoding(ckpt, pool2, torch_one_thread):
+    """Images the worker decodes (`submit_image`) or patchifies (`submit(Preprocessed)`) give
+    exactly what this process gets from the same bytes; bad bytes fail only their own future,
+    with the error `preprocess_image` raises here."""
+    encoder = VisionEncoder.from_checkpoint(ckpt)
+    names = ["photo.jpg", "sticker_rgba.png", "palette_transparent.png", "wide_strip.png"]
+    datas = [(REPO_ROOT / "samples" / name).read_bytes() for name in names]
+    pres = [preprocess_image(data, max_tokens=256) for data in datas]
+    expected = [encoder.encode([pre])[0] for pre in pres]
+    from_bytes = [pool2.submit_image(data, max_tokens=256) for data in datas]
+    from_pre = [pool2.submit(pre) for pre in pres]
+    for future, pre, want in zip(from_bytes, pres, expected, strict=True):
+        got = future.result(60)
+        assert isinstance(got, EncodedImage)
+        assert got.grid_thw == pre.grid_thw and got.num_tokens == pre.num_tokens
+        assert torch.equal(got.rows, want)
+    for future, want in zip(from_pre, expected, strict=True):
+        assert torch.equal(future.result(60), want)
+
+    pids = [w["pid"] for w in pool2.health()["workers"]]
+    truncated = datas[0][: len(datas[0]) // 2]  # the header reads, the body does not decode
+    with pytest.raises(ImageDecodeError) as here:
+        preprocess_image(truncated)
+    future = pool2.submit_image(truncated)  # queued: the worker finds the body truncated
+    with pytest.raises(ImageDecodeError) as there:
+        future.result(60)
+    assert str(there.value) == str(here.value)
+    with pytest.raises(ImageDecodeError, match="not a recognised image"):
+        pool2.submit_image(b"this is text, not an image")  # the header: refused in the caller
+    with pytest.raises(ImageTooLargeError):
+        pool2.submit_image(datas[0], limits=Limits(max_pixels=1000))
+    with pytest.raises(ValueError, match="resize must be one of"):
+        pool2.submit_image(datas[0], resize="sideways")
+    assert [w["pid"] for w in pool2.health()["workers"]] == pids  # no worker died over bad input
+    assert torch.equal(pool2.submit_image(datas[1], max_tokens=256).result(60).rows, expected[1])
+
+
+def test_large_payloads_through_shared_memory_equal_pickled_ones(ckpt, reference):
+    """With `inline_bytes=0` every request and result goes through shared memory instead of the pipes."""
+    pre = preprocess_image((REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes())
+    with EncoderPool(ckpt, workers=1, threads_per_worker=1, inline_bytes=0) as shared, \
+            EncoderPool(ckpt, workers=1, threads_per_worker=1) as pickled:
+        for out, ref in zip(shared.encode(ITEMS), reference, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(shared.submit(pre).result(60), pickled.submit(pre).result(60))
+        before = len(os.listdir("/proc/self/fd"))
+        held = [shared.submit(ITEMS[3]).result(30) for _ in range(20)]
+        assert len(os.listdir("/proc/self/fd")) < before + 10  # results were copied out of shared memory
+        torch.testing.assert_close(held[-1], reference[3], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input_raises_in_caller(pool2):
     pixels, _ = ITEMS[0]
     with pytest.raises(ValueError, match="do not match grid_thw"):
@@ -169,8 +222,6 @@ def test_results_hold_no_file_descriptors_and_callbacks_may_resubmit(pool2, refe
 def test_workers_exit_when_the_parent_is_killed(ckpt):
     import subprocess
     import sys
-
-    from tests.conftest import REPO_ROOT
 
     script = (
         "import sys, time\n"

@@ -3,11 +3,17 @@
 K3's tower has 12 heads, which do not shard over 8 GPUs, so each image goes whole to one
 worker (`cuda:0..N-1`, or N CPU workers), chosen by the fewest outstanding patches.
 
-Transport: requests go over a per-worker `torch.multiprocessing` queue and results come back
-over a per-worker pipe. Pixel and embedding tensors are placed in shared memory (`/dev/shm`)
-and only their handles are pickled, so an image is copied once into shared memory and never
-serialised. Per-worker channels mean a worker that dies mid-write can corrupt nothing another
-worker uses.
+Requests: `submit` takes a preprocessed image (the padded uint8 image goes to the worker, a
+quarter of the bytes of its float32 patches, and the worker builds the patches) or raw
+`(pixel_values, grid_thw)`; `submit_image` takes encoded bytes, and the worker decodes and
+preprocesses them too, so the calling process only reads the header (to weigh the image).
+
+Transport: each worker has its own request queue and result pipe, so a worker that dies
+mid-write can corrupt nothing another worker uses. Payloads up to `inline_bytes` (1 MiB) are
+pickled through them; larger ones go through a shared-memory tensor (`/dev/shm`) and only its
+handle is pickled. Measured on a 2-core machine: a fresh shared-memory tensor for the 4 MB of
+patches of a 640x480 image cost the parent ~7 ms of CPU, 100 KB pickled through a pipe ~0.1 ms;
+12 MB pickled through a pipe cost the receiver more than a copy out of shared memory.
 
 Failure: a worker that dies fails only the images it held (queued or running) with the
 retryable `WorkerDiedError` and is restarted; a slot whose worker dies again and again before
@@ -27,17 +33,24 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
 from vision.checkpoint import Checkpoint, CheckpointError
+from vision.decode import Limits
 from vision.encoder import check_checkpoint, model_input
-from vision.tower import check_grids
+from vision.errors import ImageError
+from vision.navit import PATCH_SIZE
+from vision.preprocess import Preprocessed, ResizeMode, count_tokens, patchify_normalise, preprocess_image
+from vision.tower import Grid, check_grids
 
 MAX_START_FAILURES = 3  # consecutive deaths before "ready" after which a slot is retired
+INLINE_BYTES = 1 << 20  # payloads up to this size are pickled; larger ones go through shared memory
 _POLL_S = 0.2
+_SHARED_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
 
 
 class PoolError(RuntimeError):
@@ -58,6 +71,14 @@ class EncodeError(PoolError):
 
 class PoolClosedError(PoolError):
     """The pool is closed, or has no usable worker left."""
+
+
+class EncodedImage(NamedTuple):
+    """What `submit_image` resolves to."""
+
+    rows: torch.Tensor  # [num_tokens, text_hidden], CPU
+    grid_thw: Grid
+    num_tokens: int
 
 
 def resolve_devices(devices: str | Sequence[str] | None = None, workers: int | None = None) -> list[str]:
@@ -110,11 +131,23 @@ def _exit_when_parent_dies() -> None:
 
 
 def _worker_main(
-    device: str, checkpoint_dir: str, dtype: torch.dtype | None, threads: int, requests: Any, results: Connection
+    device: str,
+    checkpoint_dir: str,
+    dtype: torch.dtype | None,
+    threads: int,
+    inline_bytes: int,
+    requests: Any,
+    results: Connection,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     torch.set_num_threads(threads)
+    import cv2
+
+    # Preprocessing's OpenCV calls get the same share of the cores: by default OpenCV runs a
+    # thread per core in every worker, and its idle threads spin (measured: ~10 ms of CPU per
+    # 640x480 image with 2 workers on 2 cores).
+    cv2.setNumThreads(threads)
     from vision.encoder import VisionEncoder
 
     try:
@@ -129,13 +162,62 @@ def _worker_main(
         msg = requests.get()
         if msg is None:
             return
-        req_id, pixels, grid = msg
+        req_id, kind, payload = msg
+        del msg
         try:
-            out = encoder.encode([(pixels, grid)])[0]
-            del pixels
-            results.send(("ok", req_id, out.cpu().share_memory_()))
+            rows, image_info = _run_request(encoder, kind, payload)
+            del payload
+            results.send(("ok", req_id, _result_payload(rows, inline_bytes), image_info))
+        except ImageError as e:  # bad input (ImageError subclasses pickle): the caller gets it as is
+            results.send(("bad_image", req_id, e))
         except Exception as e:  # noqa: BLE001 - one bad image must not kill the worker
             results.send(("error", req_id, f"{type(e).__name__}: {e}"))
+
+
+def _run_request(encoder: Any, kind: str, payload: Any) -> tuple[torch.Tensor, tuple[Grid, int] | None]:
+    """(rows, (grid, num_tokens) for encoded bytes, else None)."""
+    if kind == "bytes":
+        data, options = payload
+        pre = preprocess_image(data, **options)
+        return encoder.encode([pre])[0], (pre.grid_thw, pre.num_tokens)
+    array, grid = payload
+    if isinstance(array, torch.Tensor):  # it came through shared memory
+        array = array.numpy()
+    if kind == "image":
+        array = patchify_normalise(array)
+    return encoder.encode([(array, grid)])[0], None
+
+
+def _result_payload(rows: torch.Tensor, inline_bytes: int) -> tuple[torch.dtype, np.ndarray] | torch.Tensor:
+    """Small rows as (dtype, their bytes) pickled by value (numpy has no bfloat16); large ones in shared memory."""
+    rows = rows.cpu().contiguous()
+    if rows.nbytes <= inline_bytes:
+        return rows.dtype, rows.view(torch.uint8).numpy()
+    return rows.share_memory_()
+
+
+def _request_array(array: np.ndarray, inline_bytes: int) -> np.ndarray | torch.Tensor:
+    """An input array as it travels to a worker (see the module doc)."""
+    if array.nbytes <= inline_bytes:
+        # The queue's feeder thread pickles it later: a writable array could change before then.
+        return array.copy() if array.flags.writeable else array
+    shared = torch.empty(array.shape, dtype=_SHARED_DTYPES[array.dtype]).share_memory_()
+    # numpy's single-threaded copy, not `Tensor.copy_`: in this (parent) process torch's OpenMP
+    # threads would wake for a large copy and then spin, costing the workers CPU.
+    shared.numpy()[...] = array
+    return shared
+
+
+def _image_input(pre: Preprocessed) -> tuple[np.ndarray, Grid]:
+    """The padded uint8 image and grid of a `Preprocessed`, checked against each other."""
+    grid = tuple(int(v) for v in pre.grid_thw)
+    image = pre.image
+    if len(grid) != 3 or grid[0] != 1 or image.dtype != np.uint8 \
+            or image.shape != (grid[1] * PATCH_SIZE, grid[2] * PATCH_SIZE, 3):
+        raise ValueError(f"image {list(image.shape)} {image.dtype} does not match grid_thw {grid}")
+    if pre.num_tokens != (grid[1] // 2) * (grid[2] // 2):
+        raise ValueError(f"num_tokens {pre.num_tokens} does not match grid_thw {grid}")
+    return image, grid  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +243,8 @@ class _Slot:
 
 
 class EncoderPool:
-    """`submit(item) -> Future[Tensor]`; `encode(items) -> list[Tensor]` (CPU, `[num_tokens, text_hidden]`).
+    """`submit(item) -> Future[Tensor]`; `encode(items) -> list[Tensor]` (CPU, `[num_tokens, text_hidden]`);
+    `submit_image(data, ...) -> Future[EncodedImage]` (decoded and preprocessed in the worker).
 
     Items are `vision.Preprocessed` objects or `(pixel_values, grid_thw)` pairs. Thread-safe; from
     asyncio use `asyncio.wrap_future(pool.submit(item))`.
@@ -176,6 +259,7 @@ class EncoderPool:
         dtype: torch.dtype | None = None,
         threads_per_worker: int | None = None,
         start_timeout_s: float = 300.0,
+        inline_bytes: int = INLINE_BYTES,
     ):
         # Fail fast, in the caller, on a bad directory, config or tensor list (before any spawn).
         ckpt = Checkpoint(checkpoint_dir)
@@ -188,6 +272,7 @@ class EncoderPool:
         # Split the cores between workers: oversubscribed OpenMP threads spin and lose badly.
         self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.devices))
         self._dtype = dtype
+        self._inline_bytes = inline_bytes
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -212,15 +297,37 @@ class EncoderPool:
 
     def submit(self, item: Any) -> Future:
         """Queue one image on the worker with the fewest outstanding patches."""
+        if isinstance(item, Preprocessed):
+            image, grid = _image_input(item)
+            patches = grid[1] * grid[2]
+            check_grids([grid], patches, self.config)
+            return self._queue("image", (_request_array(image, self._inline_bytes), grid), patches)
         pixels, grid = model_input(item)
-        check_grids([grid], pixels.shape[0], self.config)
-        shared = torch.empty(pixels.shape, dtype=torch.float32).share_memory_()
-        # numpy's single-threaded copy, not `Tensor.copy_`: in this (parent) process torch's OpenMP
-        # threads would wake for the 4 MB copy and then spin, costing the workers ~6 ms of CPU per image.
-        shared.numpy()[...] = pixels.detach().to("cpu", torch.float32).numpy()
+        patches = int(pixels.shape[0])
+        check_grids([grid], patches, self.config)
+        array = pixels.detach().to("cpu", torch.float32).numpy()
+        return self._queue("pixels", (_request_array(array, self._inline_bytes), grid), patches)
+
+    def submit_image(
+        self,
+        data: bytes,
+        *,
+        limits: Limits | None = None,
+        max_tokens: int | None = None,
+        exif_transpose: bool = False,
+        resize: ResizeMode = "exact",
+    ) -> Future:
+        """Queue encoded image bytes: the worker runs `vision.preprocess_image(data, **options)`
+        and the tower, and the future gives an `EncodedImage`. An unreadable header, a limit or a
+        bad option raises here; a bad image body fails the future with the same `ImageError` that
+        `preprocess_image` raises."""
+        options = {"limits": limits, "max_tokens": max_tokens, "exif_transpose": exif_transpose, "resize": resize}
+        patches = 4 * count_tokens(data, **options)  # header only: weighs the image for scheduling
+        return self._queue("bytes", (bytes(data), options), patches)
+
+    def _queue(self, kind: str, payload: Any, patches: int) -> Future:
         future: Future = Future()
         future.set_running_or_notify_cancel()  # not cancellable once queued
-        patches = int(pixels.shape[0])
         with self._lock:
             if self._closed:
                 raise PoolClosedError("encoder pool is closed")
@@ -232,7 +339,7 @@ class EncoderPool:
             req_id = next(self._ids)
             slot.inflight[req_id] = (future, patches)
             slot.outstanding += patches
-            slot.requests.put((req_id, shared, grid))
+            slot.requests.put((req_id, kind, payload))
         return future
 
     def encode(self, items: Sequence[Any]) -> list[torch.Tensor]:
@@ -313,7 +420,8 @@ class EncoderPool:
         slot.results = receive
         slot.process = self._ctx.Process(
             target=_worker_main,
-            args=(slot.device, self.checkpoint_dir, self._dtype, self._threads, slot.requests, send),
+            args=(slot.device, self.checkpoint_dir, self._dtype, self._threads, self._inline_bytes, slot.requests,
+                  send),
             name=f"kimi-vision-encoder-{slot.index}",
             daemon=True,
         )
@@ -373,13 +481,19 @@ class EncoderPool:
             if proc is not None and proc.is_alive():
                 proc.kill()
             return False
-        kind, key = msg[0], msg[1]
-        detail = msg[2] if len(msg) > 2 else None
+        kind, key, *rest = msg
         del msg
         if kind == "ok":
-            # Copy out of shared memory: a held shared-memory tensor pins an open file
-            # descriptor, and callers (caches) may keep thousands of embeddings.
-            detail = detail.clone()
+            payload, image_info = rest
+            if isinstance(payload, torch.Tensor):
+                # Copy out of shared memory: a held shared-memory tensor pins an open file
+                # descriptor, and callers (caches) may keep thousands of embeddings.
+                rows = payload.clone()
+            else:
+                dtype, raw = payload
+                rows = torch.from_numpy(raw).view(dtype)
+            del payload
+            result: Any = rows if image_info is None else EncodedImage(rows, *image_info)
         with self._lock:
             if slot.generation != generation:
                 return True
@@ -396,9 +510,11 @@ class EncoderPool:
             slot.outstanding -= patches
         # Outside the lock: done-callbacks may call back into the pool.
         if kind == "ok":
-            future.set_result(detail)
+            future.set_result(result)
+        elif kind == "bad_image":
+            future.set_exception(rest[0])
         else:
-            future.set_exception(EncodeError(f"encoder worker {slot.index} ({slot.device}): {detail}"))
+            future.set_exception(EncodeError(f"encoder worker {slot.index} ({slot.device}): {rest[0]}"))
         return True
 
     def _drain(self, slot: _Slot, generation: int) -> None:

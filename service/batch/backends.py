@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -164,12 +163,11 @@ class EngineBackend:
 
 
 class PoolBackend:
-    """In-process, embeddings only: preprocessing on threads, the tower on an `EncoderPool`; the
-    trunk is never loaded (for the full model that saves most of the memory)."""
+    """In-process, embeddings only: the encoder pool's workers decode, preprocess and encode each
+    image, so this process only reads files and writes output (it would otherwise compete with the
+    workers for the cores); the trunk is never loaded (for the full model that saves most of the memory)."""
 
     def __init__(self, pool: Any, checkpoint_dir: str | Path, *, owns: bool = False) -> None:
-        import os
-
         from service.engine import EngineConfig
         from vision import Limits
 
@@ -179,7 +177,6 @@ class PoolBackend:
         self.description = f"in-process ({len(pool.devices)} encoder worker(s): {','.join(pool.devices)})"
         defaults = EngineConfig()  # the same per-image limits as the service
         self.limits = Limits(max_bytes=defaults.max_image_bytes, max_pixels=defaults.max_image_pixels)
-        self._executor = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="batch-preprocess")
 
     @classmethod
     def load(cls, checkpoint: str | None, devices: str) -> PoolBackend:
@@ -191,22 +188,13 @@ class PoolBackend:
             checkpoint = str(default_checkpoint_dir())
         return cls(EncoderPool(checkpoint, devices), checkpoint, owns=True)
 
-    def _preprocess_and_submit(self, image: bytes) -> tuple[Any, Any]:
-        from vision import preprocess_image
-
-        pre = preprocess_image(image, limits=self.limits)
-        # Submitting builds the patches and copies them into shared memory: CPU work that belongs
-        # on this thread, not on the event loop (where it would serialise every image).
-        return pre, self.pool.submit(pre)
-
     async def embed(self, image: bytes) -> Embedding:
         try:
-            loop = asyncio.get_running_loop()
-            pre, future = await loop.run_in_executor(self._executor, self._preprocess_and_submit, image)
-            rows = await asyncio.wrap_future(future)
+            # Cheap enough for the event loop: it reads the image header and queues the bytes.
+            encoded = await asyncio.wrap_future(self.pool.submit_image(image, limits=self.limits))
         except Exception as exc:  # noqa: BLE001 - classified; bugs propagate
             raise local_failure(exc) or exc from None
-        return Embedding(rows.float().numpy(), tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens))
+        return Embedding(encoded.rows.float().numpy(), encoded.grid_thw, encoded.num_tokens)
 
     async def caption(self, messages: list[dict[str, Any]], images: list[bytes], max_new_tokens: int) -> Caption:
         raise RuntimeError("PoolBackend serves embedding jobs only")
@@ -215,7 +203,6 @@ class PoolBackend:
         pass  # queued tower work is short; close() drops it
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
         if self.owns:
             await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
 
