@@ -1,7 +1,8 @@
 """Batch-job throughput (images/s), side by side in one run:
 
 - embed in-process with 1 vs 2 CPU encoder workers (target: 2 workers >= 1.7x one on 2 cores),
-  alternating runs of the two, median of `--repeats`;
+  alternating runs of the two, median of `--repeats`, with the CPU time the parent process and
+  the workers spent per image (the parent competes with the workers for the cores);
 - embed through a server on 127.0.0.1 (the same checkpoint, 2 encoder workers);
 - caption (greedy, --max-new-tokens) in-process and through the server.
 
@@ -58,6 +59,16 @@ async def timed_job(spec: JobSpec, folder: Path, out: Path, backend, concurrency
     return summary.ok / elapsed
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def warm_up(spec: JobSpec, warm: Path, out: Path, backend, concurrency: int) -> None:
     """Pool start-up and first-call costs stay out of the timed runs."""
     await timed_job(spec, warm, out, backend, concurrency)
@@ -91,19 +102,27 @@ async def main_async(args: argparse.Namespace) -> None:
     pools = {name: PoolBackend(EncoderPool(checkpoint, f"cpu:{w}", threads_per_worker=t), checkpoint, owns=True)
              for name, (w, t) in setups.items()}
     rates: dict[str, list[float]] = {name: [] for name in setups}
+    cpu_ms: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}  # (parent, workers) per image
     try:
         for i, (name, backend) in enumerate(pools.items()):
             await warm_up(embed, warm, tmp / f"warm-{i}.jsonl", backend, 2 * setups[name][0])
         for rep in range(args.repeats):
             for i, (name, backend) in enumerate(pools.items()):
                 out = tmp / f"embed-{i}-{rep}.jsonl"
+                pids = [w["pid"] for w in backend.pool.health()["workers"]]
+                parent, workers = time.process_time(), cpu_seconds(pids)
                 rates[name].append(await timed_job(embed, images, out, backend, 2 * setups[name][0]))
+                cpu_ms[name].append((1e3 * (time.process_time() - parent) / args.images,
+                                     1e3 * (cpu_seconds(pids) - workers) / args.images))
     finally:
         for backend in pools.values():
             await backend.close()
     for name in setups:
         runs = ", ".join(f"{r:.2f}" for r in rates[name])
-        results.append((f"embed, in-process, {name}; runs {runs}", statistics.median(rates[name])))
+        parent = statistics.median(p for p, _ in cpu_ms[name])
+        workers = statistics.median(w for _, w in cpu_ms[name])
+        results.append((f"embed, in-process, {name}; runs {runs}; CPU per image (medians): parent "
+                        f"{parent:.1f} ms, workers {workers:.1f} ms", statistics.median(rates[name])))
 
     config = EngineConfig(checkpoint=str(checkpoint), devices="cpu:2", cache_bytes=0)
     with ServerThread(ServerConfig(port=0), config) as server:
