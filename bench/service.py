@@ -11,7 +11,8 @@ embedding cache off so every Embed runs the tower), then in one run:
    median of --repeats each. Target: RPC / in-process <= 1.1. The same RPC with the uint8 model
    input returned is shown as well, and CountTokens on the same bytes (2.5 MB sent, header-only
    work): the transport cost an RPC adds, measured on its own because the machine's noise is
-   larger than that cost.
+   larger than that cost. This process sets its allocator as the server's does
+   (`service.allocator.keep_freed_memory`), so both sides run the same preprocessing.
 2. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
    for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
 
@@ -87,7 +88,10 @@ def wait_serving(client, proc: subprocess.Popen, timeout_s: float = 600) -> None
 def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
     """Interleaved runs; the order alternates every repeat so slow drifts hit both sides alike."""
     import vision
+    from service.allocator import keep_freed_memory
+    from service.engine import EngineConfig
 
+    keep_freed_memory(EngineConfig.keep_freed_bytes)  # the server process's allocator setting, here too
     vision.preprocess_image(data)  # warm both sides once
     client.preprocess(data)
     calls = {"local": lambda: vision.preprocess_image(data), "rpc": lambda: client.preprocess(data),
@@ -134,6 +138,17 @@ async def load(target: str, method: str, data: bytes, concurrency: int, seconds:
     return {"n": len(latencies), "p50": p(0.50), "p99": p(0.99), "rps": len(latencies) / elapsed, "errors": errors}
 
 
+async def load_levels(target: str, cases: list[tuple[str, str, bytes]], levels: list[int], seconds: float) -> None:
+    """Every load level on one event loop: grpc.aio clients on successive event loops in one
+    process eventually lose completions (a late event for a closed loop aborts the batch it came
+    in), and their calls then hang until the deadline."""
+    for method, label, data in cases:
+        for c in levels:
+            r = await load(target, method, data, c, seconds)
+            print(f"| {method} | {label} | {c} | {r['n']} | {r['p50'] * 1000:.1f} | {r['p99'] * 1000:.1f} | "
+                  f"{r['rps']:.1f} | {r['errors']} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny model)")
@@ -166,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [("Preprocess", "1920x1080 JPEG", _photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
         print("\n| RPC | input | concurrency | requests | p50 ms | p99 ms | req/s | errors |")
         print("|---|---|---|---|---|---|---|---|")
-        for method, label, data in cases:
-            for c in (int(x) for x in args.levels.split(",")):
-                r = asyncio.run(load(target, method, data, c, args.seconds))
-                print(f"| {method} | {label} | {c} | {r['n']} | {r['p50'] * 1000:.1f} | {r['p99'] * 1000:.1f} | "
-                      f"{r['rps']:.1f} | {r['errors']} |", flush=True)
+        asyncio.run(load_levels(target, cases, [int(x) for x in args.levels.split(",")], args.seconds))
         print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     finally:
         proc.terminate()

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +100,9 @@ class EngineConfig:
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 64_000_000
     cpu_threads: int = max(2, os.cpu_count() or 2)
+    # Free memory each malloc arena keeps for the next image (service.allocator); 0 leaves the
+    # process's allocator as it is.
+    keep_freed_bytes: int = 256 << 20
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 8192
 
@@ -153,10 +157,14 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig, metrics: Metrics | None = None) -> Engine:
         """Load tokenizer, trunk and encoder pool (blocking; minutes for the real model)."""
+        from service.allocator import keep_freed_memory
         from textcore.model import KimiLinearForCausalLM
         from textcore.tokenizer import Tokenizer
         from vision.pool import EncoderPool
 
+        if config.keep_freed_bytes and not keep_freed_memory(config.keep_freed_bytes):
+            logging.getLogger(__name__).warning("not glibc: freed image buffers go back to the kernel "
+                                                "(each large decode pays its page faults again)")
         if config.checkpoint is None:
             from service.default_checkpoint import default_checkpoint_dir
 
