@@ -374,17 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(args.target, args.server_pid) if args.target else Server.start(args)
     sampler = None
     try:
-        # One event loop for every phase: grpc.aio clients on successive loops in one process
-        # eventually lose completions and hang (see bench/service.py).
-        with asyncio.Runner() as runner:
-            if args.warmup_seconds > 0:
-                runner.run(drive(server.target, args.clients, args.warmup_seconds, args.max_requests, images,
-                                 record=False, embed_max_pixels=args.embed_max_pixels))
-            sampler = RssSampler(server)
-            sampler.start()
-            run, settled, elapsed = runner.run(measure(server, args, images))
-            sampler.stop()
-            health = runner.run(_health(server.target))
+        if args.warmup_seconds > 0:
+            asyncio.run(drive(server.target, args.clients, args.warmup_seconds, args.max_requests, images,
+                              record=False, embed_max_pixels=args.embed_max_pixels))
+        sampler = RssSampler(server)
+        sampler.start()
+        run, settled, elapsed = asyncio.run(measure(server, args, images))
+        sampler.stop()
+        health = asyncio.run(_health(server.target))
     finally:
         if sampler is not None and sampler.is_alive():
             sampler.stop()

@@ -1,8 +1,5 @@
-import asyncio
 import os
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -12,20 +9,6 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# grpc.aio clients on successive event loops in one process eventually lose completions (a late
-# event for a closed loop aborts the batch it arrived in) and their calls hang until the deadline.
-# So every test coroutine runs on one loop that lives as long as the session (pytest-asyncio's
-# tests too: `asyncio_default_test_loop_scope = "session"` in pyproject.toml).
-_RUNNER: asyncio.Runner | None = None
-
-
-def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    """`asyncio.run` for tests, on the session's one event loop."""
-    global _RUNNER
-    if _RUNNER is None:
-        _RUNNER = asyncio.Runner()
-    return _RUNNER.run(coro)
 
 
 @pytest.fixture(scope="module")

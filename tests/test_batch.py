@@ -9,6 +9,7 @@ the output exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import json
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_async
 from safetensors.numpy import load_file
 
 from service.batch.backends import EngineBackend, ServerBackend, local_identity
@@ -93,7 +93,7 @@ def _run(spec: JobSpec, source, output: Path, backend, *, resume: bool = False, 
         assert job.bug is None, summary.aborted
         return summary
 
-    return run_async(go())
+    return asyncio.run(go())
 
 
 def _server_run(target: str, spec: JobSpec, source, output: Path, **kwargs):
@@ -106,7 +106,7 @@ def _server_run(target: str, spec: JobSpec, source, output: Path, **kwargs):
         finally:
             await backend.close()
 
-    return run_async(go())
+    return asyncio.run(go())
 
 
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -269,13 +269,13 @@ def test_transient_failures_are_recorded_then_retried_by_resume(server, images, 
         finally:
             await backend.close()
 
-    summary = run_async(against_a_vanishing_server(None))
+    summary = asyncio.run(against_a_vanishing_server(None))
     assert (summary.ok, summary.transient, summary.exit_code) == (0, len(GOOD + BAD), 75)
     assert all(r["transient"] and r["error"].startswith("server UNAVAILABLE") for r in _rows(output))
     assert "rerun with --resume to retry the transient failures" in summary.line(output)
 
     output.unlink()
-    stopped = run_async(against_a_vanishing_server(2))
+    stopped = asyncio.run(against_a_vanishing_server(2))
     assert stopped.exit_code == 1 and stopped.transient == 2 and "2 transient failures in a row" in stopped.aborted
 
     summary = _server_run(server.target, spec, images, output, resume=True)

@@ -6,6 +6,7 @@ actors is most of this test's time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -13,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from conftest import run_async
 from safetensors.numpy import load_file
 
 from service.batch.backends import EngineBackend
@@ -75,7 +75,7 @@ def _local(spec: JobSpec, items, output: Path, engine) -> None:
         options = RunOptions(concurrency=2, tty=False, handle_sigint=False)
         return await Job(spec, items, output, EngineBackend(engine), resume=False, options=options).run()
 
-    run_async(go())
+    asyncio.run(go())
 
 
 def test_ray_embed_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
