@@ -29,7 +29,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from typing import IO
 
 import numpy as np
 from PIL import Image
@@ -61,21 +63,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint: str | None, port: int) -> subprocess.Popen:
+def start_server(checkpoint: str | None, port: int, log: IO[str]) -> subprocess.Popen:
+    """The server writes its log (one access line per request) to `log`, a file: a pipe nobody
+    reads fills after a few hundred requests and then blocks the server's event loop."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--devices", "cpu:1",
            "--cache-mb", "0", "--max-concurrency", "4", "--max-queue", "64"]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
 
 
-def wait_serving(client, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_serving(client, proc: subprocess.Popen, log: IO[str], timeout_s: float = 600) -> None:
     import grpc
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{proc.stderr.read()}")
+            log.seek(0)
+            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
         try:
             if client.health(timeout=2) == "SERVING":
                 return
@@ -139,9 +144,7 @@ async def load(target: str, method: str, data: bytes, concurrency: int, seconds:
 
 
 async def load_levels(target: str, cases: list[tuple[str, str, bytes]], levels: list[int], seconds: float) -> None:
-    """Every load level on one event loop: grpc.aio clients on successive event loops in one
-    process eventually lose completions (a late event for a closed loop aborts the batch it came
-    in), and their calls then hang until the deadline."""
+    """Every level in turn, on one event loop, printing a table row each."""
     for method, label, data in cases:
         for c in levels:
             r = await load(target, method, data, c, seconds)
@@ -161,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     target = f"127.0.0.1:{port}"
-    proc = start_server(args.checkpoint, port)
+    log = tempfile.TemporaryFile("w+")
+    proc = start_server(args.checkpoint, port, log)
     try:
         with VisionClient(target, timeout=300) as client:
-            wait_serving(client, proc)
+            wait_serving(client, proc, log)
             print(f"server pid {proc.pid} on {target}; cores {os.cpu_count()}; load {os.getloadavg()[0]:.1f}")
             big = _photo_jpeg(4000, 3000)
             cmp = compare_preprocess(client, big, args.repeats)
@@ -189,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
     return 0
 
 
