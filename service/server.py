@@ -139,16 +139,17 @@ class _Images:
             raise errors.Unsupported(f"{label}: video ({mime}) is not supported; Kimi-K3 takes images only")
         if mime and not mime.startswith("image/"):
             raise errors.Unsupported(f"{label}: media type {mime!r} is not supported; send an image")
-        if not image.data:
+        data = image.data  # each read of a bytes field copies it out of the message
+        if not data:
             raise errors.BadRequest(f"{label}: image data is empty")
-        if len(image.data) > cfg.max_image_bytes:
-            raise errors.BadRequest(f"{label}: image is {len(image.data)} bytes; the limit is {cfg.max_image_bytes}")
+        if len(data) > cfg.max_image_bytes:
+            raise errors.BadRequest(f"{label}: image is {len(data)} bytes; the limit is {cfg.max_image_bytes}")
         resize = image.options.resize or "exact"
         if resize not in ("exact", "fast"):
             raise errors.BadRequest(f"{label}: options.resize must be 'exact' or 'fast', got {resize!r}")
         options = ImageOptions(exif_transpose=image.options.exif_transpose,
                                max_tokens=image.options.max_tokens or None, resize=resize)
-        item = ImageInput(data=image.data, options=options, where=where)
+        item = ImageInput(data=data, options=options, where=where)
         self.items.append(item)
         return item
 
