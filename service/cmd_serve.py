@@ -72,12 +72,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import asyncio
-    import logging
 
     from service.engine import EngineConfig
+    from service.logs import ServerLog
     from service.server import ServerConfig, serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     max_bytes = args.max_message_mb << 20
     config = ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=max_bytes,
@@ -91,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
     def announce(server) -> None:
         print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING)", flush=True)
 
+    server_log = ServerLog()  # written off the event loop: a stuck log reader never stalls requests
     try:
         return asyncio.run(serve(config, engine_config, on_ready=announce))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        server_log.close()

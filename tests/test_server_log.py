@@ -1,0 +1,89 @@
+"""The server's log never blocks its requests (service.logs): a log reader that stops reading
+costs log lines, not service."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import logging
+import os
+import threading
+
+from PIL import Image
+from serve_process import ServeProcess
+
+from service.client import VisionClient
+from service.logs import ServerLog
+
+
+def _tiny_png() -> bytes:
+    """28x28 grey: one 2x2 merge of 14-px patches, 1 image token."""
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), (128, 128, 128)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _fill(fd: int) -> None:
+    """Write to a pipe until it is full, then leave its writes blocking."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(fd, b"#" * 4096)
+    except BlockingIOError:
+        pass
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
+def _drain(fd: int, into: bytearray) -> None:
+    while chunk := os.read(fd, 1 << 16):
+        into += chunk
+
+
+def test_a_stuck_stream_drops_and_counts_records_instead_of_blocking_the_logger():
+    read_fd, write_fd = os.pipe()
+    _fill(write_fd)
+    stream = io.TextIOWrapper(os.fdopen(write_fd, "wb", buffering=0), write_through=True)
+    root = logging.getLogger()
+    level = root.level
+    log = ServerLog(stream=stream, max_records=10)
+    try:
+        for i in range(100):  # every call returns at once although nothing can be written
+            logging.getLogger("kimi_vision.test").info("record %d", i)
+    finally:
+        got = bytearray()
+        reader = threading.Thread(target=_drain, args=(read_fd, got))
+        reader.start()  # the writer can write again
+        log.close(timeout_s=10)
+        stream.close()
+        reader.join(10)
+        os.close(read_fd)
+        root.setLevel(level)
+    lines = got.decode().replace("#", "").splitlines()
+    written = [line for line in lines if "kimi_vision.test: record" in line]
+    notices = [line for line in lines if "dropped" in line]
+    assert len(notices) == 1, lines
+    dropped = int(notices[0].split("dropped ")[1].split()[0])
+    assert dropped > 0 and len(written) + dropped == 100
+
+
+def test_server_keeps_serving_while_nobody_reads_its_log(tmp_path):
+    fifo = tmp_path / "serve.log"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # held open, never read: the pipe fills
+    try:
+        with ServeProcess.start(["--devices", "cpu:1", "--cache-mb", "0"], log_path=fifo) as server:
+            with VisionClient(server.target, timeout=30) as client:
+                # One access-log line (~130 bytes) per call: ~200 KB, three times the pipe's size.
+                for _ in range(1500):
+                    assert client.health() == "SERVING"
+                assert client.count_tokens(_tiny_png()).num_tokens == 1
+            got = bytearray()
+            os.set_blocking(reader, True)
+            drain = threading.Thread(target=_drain, args=(reader, got))
+            drain.start()
+            assert server.terminate() == 0  # the log drains, then SIGTERM's drain exits cleanly
+        drain.join(30)  # EOF once the server and its workers have exited
+    finally:
+        os.close(reader)
+    assert got.count(b"/grpc.health.v1.Health/Check") >= 1500  # late, but every line arrived
