@@ -262,17 +262,24 @@ class Engine:
     def image_key(self, image: ImageInput) -> str:
         return content_hash(image.data, image.options.key(), self.checkpoint_id)
 
-    def _submit(self, image: ImageInput) -> tuple[Any, concurrent.futures.Future]:
+    def _submit(self, image: ImageInput, queued: list[concurrent.futures.Future],
+                abandoned: threading.Event) -> tuple[Any, concurrent.futures.Future]:
         """Preprocess and queue on the pool (both off the event loop: building the patches and
-        copying them into shared memory take a while for a large image)."""
+        copying them into shared memory take a while for a large image). The pool future joins
+        `queued`; if the caller gave up meanwhile (`abandoned`), it is cancelled at once."""
         pre = self.preprocess(image)
-        return pre, self.pool.submit(pre)
+        future = self.pool.submit(pre)
+        queued.append(future)  # before the check: a caller giving up now finds it in `queued`
+        if abandoned.is_set():
+            future.cancel()
+        return pre, future
 
     async def embed_images(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
         """Embeddings of `images` in order. Cache hits are served as they are; each distinct missing
         image is preprocessed once and queued on the pool as soon as it is ready, so the images
-        spread over the workers. (Work already queued on the pool cannot be withdrawn; a cancelled
-        RPC stops before submitting.)"""
+        spread over the workers. If the call is cancelled (an RPC's deadline or cancellation) or one
+        image fails, the images still waiting in the pool are withdrawn (not encoded); one a
+        worker has already started runs to the end."""
         keys = [self.image_key(image) for image in images]
         found: dict[str, ImageEmbedding] = {}
         missing: dict[str, ImageInput] = {}
@@ -286,8 +293,17 @@ class Engine:
             else:
                 found[key] = dataclasses.replace(hit, cached=True)
         if missing:
-            submitted = await asyncio.gather(*(self.run_cpu(self._submit, image) for image in missing.values()))
-            rows = await asyncio.gather(*(asyncio.wrap_future(future) for _, future in submitted))
+            queued: list[concurrent.futures.Future] = []
+            abandoned = threading.Event()
+            try:
+                submitted = await asyncio.gather(*(self.run_cpu(self._submit, image, queued, abandoned)
+                                                   for image in missing.values()))
+                rows = await asyncio.gather(*(asyncio.wrap_future(future) for _, future in submitted))
+            except BaseException:  # the caller will not use the other images: stop their work
+                abandoned.set()
+                for future in queued:
+                    future.cancel()
+                raise
             for key, (pre, _), r in zip(missing, submitted, rows, strict=True):
                 found[key] = ImageEmbedding(key, r, tuple(int(v) for v in pre.grid_thw), int(pre.num_tokens),
                                             pre.prompt)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -80,7 +83,8 @@ def test_least_outstanding_patches_scheduling(pool2, reference):
         small = [pool2.submit(ITEMS[i]) for i in (0, 2, 3)]  # all go to worker 1 (< 1024 patches)
         workers = pool2.health()["workers"]
         assert [w["outstanding_patches"] for w in workers] == [1024, 24 + 20 + 4]
-        assert [w["inflight"] for w in workers] == [1, 3]
+        assert [w["inflight"] for w in workers] == [1, 2]  # at most MAX_INFLIGHT_PER_WORKER sent
+        assert [w["pending"] for w in workers] == [0, 1]
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
@@ -90,16 +94,28 @@ def test_least_outstanding_patches_scheduling(pool2, reference):
     assert [w["outstanding_patches"] for w in pool2.health()["workers"]] == [0, 0]
 
 
-def test_killed_worker_fails_only_its_request_and_pool_keeps_serving(pool2, reference):
-    victim = pool2.health()["workers"][0]["pid"]
-    os.kill(victim, signal.SIGSTOP)  # it holds the request when it dies, deterministically
-    doomed = pool2.submit(ITEMS[1])  # -> worker 0
-    survivor = pool2.submit(ITEMS[4])  # -> worker 1
-    os.kill(victim, signal.SIGKILL)
-    with pytest.raises(WorkerDiedError, match=r"worker 0 .*died \(signal 9\)") as e:
-        doomed.result(30)
-    assert e.value.retryable
+def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2, reference):
+    """The images sent to a killed worker fail retryably; the ones still waiting in the pool for
+    it are encoded by its replacement; the other worker's images are untouched."""
+    victim, other = [w["pid"] for w in pool2.health()["workers"]]
+    for pid in (victim, other):
+        os.kill(pid, signal.SIGSTOP)  # the queues stay as submitted, deterministically
+    try:
+        doomed = [pool2.submit(ITEMS[1])]  # 1024 patches -> worker 0
+        survivor = pool2.submit(ITEMS[4])  # 1200 -> worker 1
+        doomed.append(pool2.submit(ITEMS[0]))  # 24 -> worker 0, its second sent request
+        waiting = pool2.submit(ITEMS[3])  # 4 -> worker 0, held in the pool
+        workers = pool2.health()["workers"]
+        assert [(w["inflight"], w["pending"]) for w in workers] == [(2, 1), (1, 0)]
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        os.kill(other, signal.SIGCONT)
+    for future in doomed:
+        with pytest.raises(WorkerDiedError, match=r"worker 0 .*died \(signal 9\)") as e:
+            future.result(30)
+        assert e.value.retryable
     torch.testing.assert_close(survivor.result(30), reference[4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(waiting.result(60), reference[3], rtol=1e-5, atol=1e-5)  # by the new worker 0
     # Keeps serving right away, and the dead worker comes back.
     torch.testing.assert_close(pool2.submit(ITEMS[0]).result(30), reference[0], rtol=1e-5, atol=1e-5)
     deadline = time.monotonic() + 60
@@ -111,6 +127,98 @@ def test_killed_worker_fails_only_its_request_and_pool_keeps_serving(pool2, refe
     assert not alive(victim)
     for out, ref in zip(pool2.encode(ITEMS), reference, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(ckpt, reference):
+    with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool:
+        pid = pool.health()["workers"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # the worker takes nothing while the client gives up
+        try:
+            futures = [pool.submit(item) for item in ITEMS]
+            worker = pool.health()["workers"][0]
+            assert (worker["inflight"], worker["pending"]) == (2, 4)
+            # Sent ones run to the end; the ones still in the pool cancel.
+            assert [f.cancel() for f in futures] == [False, False, True, True, True, True]
+            worker = pool.health()["workers"][0]
+            assert (worker["inflight"], worker["pending"], worker["outstanding_patches"]) == (2, 0, 24 + 1024)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for future, ref in zip(futures[:2], reference, strict=False):
+            torch.testing.assert_close(future.result(30), ref, rtol=1e-5, atol=1e-5)
+        assert all(f.cancelled() for f in futures[2:])
+        # The worker answers in order, so once this one is answered any cancelled image it had
+        # been sent would have been answered (counted) too.
+        torch.testing.assert_close(pool.submit(ITEMS[3]).result(30), reference[3], rtol=1e-5, atol=1e-5)
+        worker = pool.health()["workers"][0]
+        assert (worker["answered"], worker["outstanding_patches"]) == (3, 0)
+
+
+def _png(seed: int, size: int = 56) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size + 14 * seed, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckpt):
+    """What a gRPC deadline or cancellation does to `Engine.embed_images` (the server's handler
+    task is cancelled): images not sent to a worker yet are never encoded."""
+    from service.engine import Engine, EngineConfig, ImageInput
+
+    engine = Engine.load(EngineConfig(checkpoint=str(ckpt), devices="cpu:1", cache_bytes=0, keep_freed_bytes=0))
+    pool = engine.pool
+    pid = pool.health()["workers"][0]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # the worker takes nothing more than the first two images
+    try:
+        # Cancelled once all its images are queued: wrap_future cancels the pool futures.
+        call = asyncio.ensure_future(engine.embed_images([ImageInput(_png(seed)) for seed in range(6)]))
+        deadline = time.monotonic() + 60
+        while (w := pool.health()["workers"][0])["inflight"] + w["pending"] < 6:
+            assert time.monotonic() < deadline, w
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        worker = pool.health()["workers"][0]
+        assert (worker["inflight"], worker["pending"]) == (2, 0)
+        # Cancelled while its images are still being preprocessed: the ones queued after that are withdrawn too.
+        # (Larger images, so the cancellation usually lands while some are preprocessed.)
+        call = asyncio.ensure_future(engine.embed_images([ImageInput(_png(seed, 448)) for seed in range(6, 12)]))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        engine.cpu_executor.shutdown(wait=True)  # every preprocessing job that started has queued its image
+        worker = pool.health()["workers"][0]
+        assert (worker["inflight"], worker["pending"]) == (2, 0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.close()
+
+
+def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(ckpt, reference):
+    pool = EncoderPool(ckpt, workers=1, threads_per_worker=1)
+    pid = pool.health()["workers"][0]["pid"]
+    closer = threading.Thread(target=pool.close, kwargs={"timeout_s": 60})
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = [pool.submit(ITEMS[i]) for i in (0, 2)]
+        waiting = [pool.submit(ITEMS[i]) for i in (3, 5)]
+        closer.start()
+        for future in waiting:
+            with pytest.raises(PoolClosedError, match="closed before this image was sent to a worker"):
+                future.result(30)
+        assert not any(f.done() for f in sent)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        if not closer.is_alive():
+            pool.close()
+    closer.join(60)
+    for future, i in zip(sent, (0, 2), strict=True):
+        torch.testing.assert_close(future.result(0), reference[i], rtol=1e-5, atol=1e-5)
+    assert not alive(pid)
 
 
 def test_encoded_bytes_and_preprocessed_images_equal_in_process_encoding(ckpt, pool2, torch_one_thread):

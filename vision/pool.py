@@ -15,10 +15,18 @@ handle is pickled. Measured on a 2-core machine: a fresh shared-memory tensor fo
 patches of a 640x480 image cost the parent ~7 ms of CPU, 100 KB pickled through a pipe ~0.1 ms;
 12 MB pickled through a pipe cost the receiver more than a copy out of shared memory.
 
-Failure: a worker that dies fails only the images it held (queued or running) with the
-retryable `WorkerDiedError` and is restarted; a slot whose worker dies again and again before
-becoming ready is retired. Workers exit on their own if the parent dies, and `close()` stops
-and reaps them all.
+Queueing: the parent keeps each worker's waiting requests in its own queue and sends a ready
+worker at most `MAX_INFLIGHT_PER_WORKER` at a time (one running, one ready so the worker never
+idles waiting for the parent). A request still waiting in the parent can be cancelled
+(`future.cancel()`, which `asyncio.wrap_future` calls when its task is cancelled) and is then
+never sent: a client that gave up (deadline, cancellation) costs no tower time for it. Once
+sent, a request runs to the end.
+
+Failure: a worker that dies fails only the images sent to it with the retryable
+`WorkerDiedError` and is restarted; the ones still waiting in the parent wait for the restarted
+worker. A slot whose worker dies again and again before becoming ready is retired, and its
+waiting images move to the other workers. Workers exit on their own if the parent dies, and
+`close()` stops and reaps them all.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -47,6 +56,7 @@ from vision.navit import PATCH_SIZE
 from vision.preprocess import Preprocessed, ResizeMode, count_tokens, patchify_normalise, preprocess_image
 from vision.tower import Grid, check_grids
 
+MAX_INFLIGHT_PER_WORKER = 2  # sent to a worker and not yet answered: one running, one ready
 MAX_START_FAILURES = 3  # consecutive deaths before "ready" after which a slot is retired
 INLINE_BYTES = 1 << 20  # payloads up to this size are pickled; larger ones go through shared memory
 _POLL_S = 0.2
@@ -224,6 +234,15 @@ def _image_input(pre: Preprocessed) -> tuple[np.ndarray, Grid]:
 # Parent side
 
 
+@dataclass(eq=False)  # compared by identity (`deque.remove`), never by payload
+class _Request:
+    id: int
+    kind: str
+    payload: Any  # dropped once sent
+    future: Future
+    patches: int
+
+
 @dataclass
 class _Slot:
     index: int
@@ -237,8 +256,10 @@ class _Slot:
     retired: str | None = None  # why the slot takes no more work
     restarts: int = 0
     start_failures: int = 0
-    outstanding: int = 0  # patches queued or running on this worker
-    inflight: dict[int, tuple[Future, int]] = field(default_factory=dict)
+    outstanding: int = 0  # patches pending or in flight on this slot
+    pending: deque[_Request] = field(default_factory=deque)  # not sent yet; their futures can be cancelled
+    inflight: dict[int, _Request] = field(default_factory=dict)  # sent to the current worker, by id
+    answered: int = 0  # requests its workers ran and answered (a result or an error), all generations
     load_error: str | None = None
 
 
@@ -247,7 +268,8 @@ class EncoderPool:
     `submit_image(data, ...) -> Future[EncodedImage]` (decoded and preprocessed in the worker).
 
     Items are `vision.Preprocessed` objects or `(pixel_values, grid_thw)` pairs. Thread-safe; from
-    asyncio use `asyncio.wrap_future(pool.submit(item))`.
+    asyncio use `asyncio.wrap_future(pool.submit(item))`. A future can be cancelled while its
+    request waits in the pool (it is then never encoded), not once a worker has it.
     """
 
     def __init__(
@@ -296,7 +318,7 @@ class EncoderPool:
         return len(self._slots)
 
     def submit(self, item: Any) -> Future:
-        """Queue one image on the worker with the fewest outstanding patches."""
+        """Queue one image on the worker with the fewest outstanding patches (see `_queue`)."""
         if isinstance(item, Preprocessed):
             image, grid = _image_input(item)
             patches = grid[1] * grid[2]
@@ -326,21 +348,18 @@ class EncoderPool:
         return self._queue("bytes", (bytes(data), options), patches)
 
     def _queue(self, kind: str, payload: Any, patches: int) -> Future:
-        future: Future = Future()
-        future.set_running_or_notify_cancel()  # not cancellable once queued
+        """Queue a request on the slot with the fewest outstanding patches. Its future stays
+        pending, and can be cancelled, until the request is sent to the worker."""
+        request = _Request(next(self._ids), kind, payload, Future(), patches)
         with self._lock:
             if self._closed:
                 raise PoolClosedError("encoder pool is closed")
-            usable = [s for s in self._slots if s.retired is None]
-            if not usable:
+            slot = self._least_loaded()
+            if slot is None:
                 raise PoolClosedError("no usable encoder worker: " + "; ".join(str(s.retired) for s in self._slots))
-            # Prefer workers that are up; among them the least loaded; ties to the lowest index.
-            slot = min(usable, key=lambda s: (not s.ready, s.outstanding, s.index))
-            req_id = next(self._ids)
-            slot.inflight[req_id] = (future, patches)
-            slot.outstanding += patches
-            slot.requests.put((req_id, kind, payload))
-        return future
+            self._enqueue(slot, request)
+        request.future.add_done_callback(lambda _: self._forget_if_cancelled(request))
+        return request.future
 
     def encode(self, items: Sequence[Any]) -> list[torch.Tensor]:
         futures = [self.submit(it) for it in items]
@@ -358,8 +377,10 @@ class EncoderPool:
                     "ready": s.ready,
                     "retired": s.retired,
                     "restarts": s.restarts,
+                    "pending": len(s.pending),
                     "inflight": len(s.inflight),
                     "outstanding_patches": s.outstanding,
+                    "answered": s.answered,
                 }
                 for s in self._slots
             ]
@@ -370,13 +391,15 @@ class EncoderPool:
         }
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every worker and reap it. Workers first finish what is already queued (up to
-        `timeout_s`), then are terminated, then killed; images left unanswered fail."""
+        """Stop every worker and reap it. Images not sent to a worker yet fail at once; workers
+        first finish what they were sent (up to `timeout_s`), then are terminated, then killed;
+        images left unanswered fail."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True  # from here on no slot is restarted
+            self._closed = True  # from here on no slot is restarted and nothing more is sent
             slots = list(self._slots)
+            waiting = [f for s in slots for f in self._take_pending(s)]
             procs = [s.process for s in slots if s.process is not None]
             for s in slots:
                 if s.process is not None and s.process.is_alive():
@@ -384,6 +407,7 @@ class EncoderPool:
                         s.requests.put(None)
                     except (OSError, ValueError):
                         pass
+        self._fail(waiting, PoolClosedError("encoder pool closed before this image was sent to a worker"))
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -411,7 +435,7 @@ class EncoderPool:
     # -- internals (self._lock held where noted) ------------------------------------------------
 
     def _start(self, slot: _Slot) -> None:
-        """Start a worker in `slot` (lock held). Requests queued before it is ready wait for it."""
+        """Start a worker in `slot` (lock held). Requests wait in `slot.pending` until it is ready."""
         slot.generation += 1
         slot.ready = False
         slot.pid = None
@@ -499,15 +523,18 @@ class EncoderPool:
                 return True
             if kind == "ready":
                 slot.ready, slot.pid, slot.start_failures = True, key, 0
+                self._dispatch(slot)
                 return True
             if kind == "failed":
                 slot.load_error = key
                 return True
-            entry = slot.inflight.pop(key, None)
-            if entry is None:
+            slot.answered += 1
+            request = slot.inflight.pop(key, None)
+            if request is None:
                 return True
-            future, patches = entry
-            slot.outstanding -= patches
+            slot.outstanding -= request.patches
+            self._dispatch(slot)  # the worker gets its next image before this result is handed over
+        future = request.future
         # Outside the lock: done-callbacks may call back into the pool.
         if kind == "ok":
             future.set_result(result)
@@ -553,15 +580,77 @@ class EncoderPool:
             else:
                 slot.start_failures += 0 if was_ready else 1
                 slot.restarts += 1
-                self._start(slot)
+                self._start(slot)  # its pending requests wait for the new worker
+            stranded = self._rehome(slot) if slot.retired else []
         self._fail(doomed, error)
+        self._fail(stranded, PoolClosedError(f"no usable encoder worker left: {slot.retired}"))
+
+    def _least_loaded(self) -> _Slot | None:
+        """The slot for a new request (lock held): workers that are up first, then the fewest
+        outstanding patches, ties to the lowest index; None when every slot is retired."""
+        usable = [s for s in self._slots if s.retired is None]
+        return min(usable, key=lambda s: (not s.ready, s.outstanding, s.index)) if usable else None
+
+    def _enqueue(self, slot: _Slot, request: _Request) -> None:
+        """Add `request` to `slot`'s pending queue and send what the worker can take (lock held)."""
+        slot.pending.append(request)
+        slot.outstanding += request.patches
+        self._dispatch(slot)
+
+    def _dispatch(self, slot: _Slot) -> None:
+        """Send `slot`'s ready worker pending requests up to `MAX_INFLIGHT_PER_WORKER` (lock held).
+        A cancelled request is dropped here, unsent; a sent one is running and can no longer be cancelled."""
+        while slot.ready and not self._closed and slot.pending and len(slot.inflight) < MAX_INFLIGHT_PER_WORKER:
+            request = slot.pending.popleft()
+            if not request.future.set_running_or_notify_cancel():
+                slot.outstanding -= request.patches
+                continue
+            slot.inflight[request.id] = request
+            # Non-blocking: the queue's feeder thread pickles and writes it.
+            slot.requests.put((request.id, request.kind, request.payload))
+            request.payload = None
+
+    def _forget_if_cancelled(self, request: _Request) -> None:
+        """Done-callback: a request cancelled while pending leaves its queue at once, so its
+        patches stop counting and its payload (maybe a large shared-memory tensor) is freed."""
+        if not request.future.cancelled():
+            return
+        with self._lock:
+            for slot in self._slots:
+                if request in slot.pending:
+                    slot.pending.remove(request)
+                    slot.outstanding -= request.patches
+                    return
+
+    def _rehome(self, retired: _Slot) -> list[Future]:
+        """Move a retired slot's pending requests to the other slots (lock held); return the
+        futures of those no slot can take, to fail after releasing the lock."""
+        stranded = []
+        while retired.pending:
+            request = retired.pending.popleft()
+            retired.outstanding -= request.patches
+            target = self._least_loaded()
+            if target is not None:
+                self._enqueue(target, request)
+            elif request.future.set_running_or_notify_cancel():
+                stranded.append(request.future)
+        return stranded
+
+    @staticmethod
+    def _take_pending(slot: _Slot) -> list[Future]:
+        """Remove `slot`'s pending requests (lock held) and return the futures not cancelled,
+        marked running (so no cancel can race the failure); fail them after releasing the lock."""
+        futures = [r.future for r in slot.pending if r.future.set_running_or_notify_cancel()]
+        slot.outstanding -= sum(r.patches for r in slot.pending)
+        slot.pending.clear()
+        return futures
 
     @staticmethod
     def _take_inflight(slot: _Slot) -> list[Future]:
-        """Remove and return everything `slot` holds (lock held); fail them after releasing it."""
-        futures = [future for future, _ in slot.inflight.values()]
+        """Remove and return what `slot`'s worker was sent (lock held); fail them after releasing it."""
+        futures = [r.future for r in slot.inflight.values()]
+        slot.outstanding -= sum(r.patches for r in slot.inflight.values())
         slot.inflight.clear()
-        slot.outstanding = 0
         return futures
 
     @staticmethod
