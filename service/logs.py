@@ -14,6 +14,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from logging.handlers import QueueHandler
 from typing import TextIO
 
@@ -60,18 +61,22 @@ class ServerLog:
         self._thread.start()
 
     def _write(self) -> None:
-        while (record := self._records.get()) is not None:
-            dropped = self.handler.take_dropped()
+        while True:
+            record = self._records.get()
+            dropped = self.handler.take_dropped()  # reported before the next record, or at the end
             if dropped:
                 self._sink.handle(logging.LogRecord("kimi_vision.log", logging.WARNING, __file__, 0,
                                                     "dropped %d log records: the log reader fell behind",
                                                     (dropped,), None))
+            if record is None:
+                return
             self._sink.handle(record)
 
     def close(self, timeout_s: float = 2.0) -> None:
         logging.getLogger().removeHandler(self.handler)
+        deadline = time.monotonic() + timeout_s
         try:
-            self._records.put_nowait(None)
+            self._records.put(None, timeout=timeout_s)  # waits while the writer frees room
         except queue.Full:
             return  # the writer is stuck on a blocked stream: the daemon thread ends with the process
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))

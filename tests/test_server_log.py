@@ -62,9 +62,9 @@ def test_a_stuck_stream_drops_and_counts_records_instead_of_blocking_the_logger(
     lines = got.decode().replace("#", "").splitlines()
     written = [line for line in lines if "kimi_vision.test: record" in line]
     notices = [line for line in lines if "dropped" in line]
-    assert len(notices) == 1, lines
-    dropped = int(notices[0].split("dropped ")[1].split()[0])
-    assert dropped > 0 and len(written) + dropped == 100
+    dropped = sum(int(line.split("dropped ")[1].split()[0]) for line in notices)
+    # Each record is either written or counted in a notice, whenever the writer could write again.
+    assert dropped > 0 and len(written) + dropped == 100, lines
 
 
 def test_server_keeps_serving_while_nobody_reads_its_log(tmp_path):
