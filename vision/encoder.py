@@ -43,10 +43,14 @@ def model_input(item: Any) -> tuple[torch.Tensor, Grid]:
         raise ValueError(f"grid_thw must be (t, h, w), got {grid}")
     if pixels.ndim != 4 or pixels.shape[0] != grid[0] * grid[1] * grid[2]:
         raise ValueError(f"pixel_values {list(pixels.shape)} do not match grid_thw {grid}")
-    num_tokens = getattr(item, "num_tokens", None)
+    check_num_tokens(getattr(item, "num_tokens", None), grid)
+    return pixels, grid  # type: ignore[return-value]
+
+
+def check_num_tokens(num_tokens: int | None, grid: Grid) -> None:
+    """A stated token count must be the grid's 2x2-merged size (None: nothing stated)."""
     if num_tokens is not None and num_tokens != (grid[1] // 2) * (grid[2] // 2):
         raise ValueError(f"num_tokens {num_tokens} does not match grid_thw {grid}")
-    return pixels, grid  # type: ignore[return-value]
 
 
 def check_checkpoint(ckpt: Checkpoint) -> VisionConfig:

@@ -50,7 +50,7 @@ import torch.multiprocessing as tmp
 
 from vision.checkpoint import Checkpoint, CheckpointError
 from vision.decode import Limits
-from vision.encoder import check_checkpoint, model_input
+from vision.encoder import check_checkpoint, check_num_tokens, model_input
 from vision.errors import ImageError
 from vision.navit import PATCH_SIZE
 from vision.preprocess import Preprocessed, ResizeMode, count_tokens, patchify_normalise, preprocess_image
@@ -225,8 +225,7 @@ def _image_input(pre: Preprocessed) -> tuple[np.ndarray, Grid]:
     if len(grid) != 3 or grid[0] != 1 or image.dtype != np.uint8 \
             or image.shape != (grid[1] * PATCH_SIZE, grid[2] * PATCH_SIZE, 3):
         raise ValueError(f"image {list(image.shape)} {image.dtype} does not match grid_thw {grid}")
-    if pre.num_tokens != (grid[1] // 2) * (grid[2] // 2):
-        raise ValueError(f"num_tokens {pre.num_tokens} does not match grid_thw {grid}")
+    check_num_tokens(pre.num_tokens, grid)
     return image, grid  # type: ignore[return-value]
 
 
