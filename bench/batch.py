@@ -1,8 +1,9 @@
 """Batch-job throughput (images/s), side by side in one run:
 
-- embed in-process with 1 vs 2 CPU encoder workers (target: 2 workers >= 1.7x one on 2 cores),
-  alternating runs of the two, median of `--repeats`, with the CPU time the parent process and
-  the workers spent per image (the parent competes with the workers for the cores);
+- embed in-process (the engine with only its vision components) with 1 vs 2 CPU encoder workers
+  (target: 2 workers >= 1.7x one on 2 cores), alternating runs of the two, median of `--repeats`,
+  with the CPU time the parent process and the workers spent per image (the parent competes with
+  the workers for the cores);
 - embed through a server on 127.0.0.1 (the same checkpoint, 2 encoder workers);
 - caption (greedy, --max-new-tokens) in-process and through the server.
 
@@ -30,7 +31,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.batch.backends import EngineBackend, PoolBackend, ServerBackend  # noqa: E402
+from service.batch.backends import EngineBackend, ServerBackend  # noqa: E402
 from service.batch.inputs import load_items  # noqa: E402
 from service.batch.runner import Job, JobSpec, RunOptions  # noqa: E402
 
@@ -75,10 +76,9 @@ async def warm_up(spec: JobSpec, warm: Path, out: Path, backend, concurrency: in
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from service.default_checkpoint import default_checkpoint_dir
-    from service.engine import EngineConfig
-    from service.server import ServerConfig, ServerThread
-    from vision.pool import EncoderPool
+    from service.checkpoints.default import default_checkpoint_dir
+    from service.engine import Engine, EngineConfig
+    from service.rpc.server import ServerConfig, ServerThread
 
     tmp = Path(tempfile.mkdtemp(prefix="kimi-bench-batch-"))
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint_dir()
@@ -99,7 +99,9 @@ async def main_async(args: argparse.Namespace) -> None:
         "1 encoder worker, 1 torch thread": (1, 1),
         "2 encoder workers (default: 1 torch thread each)": (2, None),
     }
-    pools = {name: PoolBackend(EncoderPool(checkpoint, f"cpu:{w}", threads_per_worker=t), checkpoint, owns=True)
+    pools = {name: EngineBackend(Engine.load(EngineConfig(checkpoint=checkpoint, devices=f"cpu:{w}",
+                                                          threads_per_worker=t, components="vision", cache_bytes=0)),
+                                 owns=True)
              for name, (w, t) in setups.items()}
     rates: dict[str, list[float]] = {name: [] for name in setups}
     cpu_ms: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}  # (parent, workers) per image
@@ -109,7 +111,7 @@ async def main_async(args: argparse.Namespace) -> None:
         for rep in range(args.repeats):
             for i, (name, backend) in enumerate(pools.items()):
                 out = tmp / f"embed-{i}-{rep}.jsonl"
-                pids = [w["pid"] for w in backend.pool.health()["workers"]]
+                pids = [w["pid"] for w in backend.engine.health()["workers"]]
                 parent, workers = time.process_time(), cpu_seconds(pids)
                 rates[name].append(await timed_job(embed, images, out, backend, 2 * setups[name][0]))
                 cpu_ms[name].append((1e3 * (time.process_time() - parent) / args.images,

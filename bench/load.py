@@ -54,7 +54,7 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from service.client import AsyncVisionClient, image, user
+from service.rpc.client import AsyncVisionClient, image, user
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 METHOD_WEIGHTS = {"Embed": 0.4, "Preprocess": 0.3, "CountTokens": 0.2, "Encode": 0.1}

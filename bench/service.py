@@ -12,7 +12,7 @@ embedding cache off so every Embed runs the tower), then in one run:
    input returned is shown as well, and CountTokens on the same bytes (2.5 MB sent, header-only
    work): the transport cost an RPC adds, measured on its own because the machine's noise is
    larger than that cost. This process sets its allocator as the server's does
-   (`service.allocator.keep_freed_memory`), so both sides run the same preprocessing.
+   (`service.engine.allocator.keep_freed_memory`), so both sides run the same preprocessing.
 2. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
    for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
 
@@ -93,8 +93,8 @@ def wait_serving(client, proc: subprocess.Popen, log: IO[str], timeout_s: float 
 def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
     """Interleaved runs; the order alternates every repeat so slow drifts hit both sides alike."""
     import vision
-    from service.allocator import keep_freed_memory
     from service.engine import EngineConfig
+    from service.engine.allocator import keep_freed_memory
 
     keep_freed_memory(EngineConfig.keep_freed_bytes)  # the server process's allocator setting, here too
     vision.preprocess_image(data)  # warm both sides once
@@ -115,7 +115,7 @@ def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
 
 
 async def load(target: str, method: str, data: bytes, concurrency: int, seconds: float) -> dict[str, float]:
-    from service.client import AsyncVisionClient
+    from service.rpc.client import AsyncVisionClient
 
     latencies: list[float] = []
     errors = 0
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="1,8,32")
     args = parser.parse_args(argv)
 
-    from service.client import VisionClient
+    from service.rpc.client import VisionClient
 
     port = _free_port()
     target = f"127.0.0.1:{port}"

@@ -4,9 +4,9 @@
 
 - in-process `VisionEncoder.encode` on one image of 16x16, 32x32 and 64x64 patches (64, 256 and
   1,024 tokens), and on a packed batch of four 32x32 images: patches/s and achieved GFLOP/s;
-- the same 32x32 image through an `EncoderPool` with 1 and with 2 CPU workers (8 images
-  submitted at once), in the same run, so the pool's transport overhead and the 2-worker
-  scaling can be read side by side.
+- eight 448x448 PNGs (32x32 patches each) decoded, preprocessed and encoded in-process, and the
+  same bytes through an `EncoderPool` with 1 and with 2 CPU workers (submitted at once), in the
+  same run, so the pool's transport overhead and the 2-worker scaling can be read side by side.
 
 Figures are medians of `--repeats` runs (the dev machine is shared and noisy). Weights are the
 deterministic tiny random checkpoint (speed does not depend on the values).
@@ -55,6 +55,16 @@ def random_item(h: int, w: int, seed: int = 0):
     return rng.uniform(-1, 1, (h * w, 3, 14, 14)).astype(np.float32), (1, h, w)
 
 
+def random_png(w: int, h: int, seed: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -63,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from service.make_checkpoint import make_checkpoint
+    from service.checkpoints.make import make_checkpoint
     from vision.encoder import VisionEncoder
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,16 +97,22 @@ def main() -> None:
 
         if args.no_pool:
             return
-        from vision.pool import EncoderPool
+        from service.engine.pool import EncoderPool
+        from vision import DEFAULT_OPTIONS, preprocess_image
 
-        batch = [random_item(32, 32, s) for s in range(8)]
+        batch = [random_png(448, 448, s) for s in range(8)]
         patches = 8 * 32 * 32
-        s = median_seconds(lambda: [enc.encode([it]) for it in batch], args.repeats)
+        s = median_seconds(lambda: [enc.encode([preprocess_image(data)]) for data in batch], args.repeats)
         print(f"{'8 x 32x32 in-process':<28} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
         for workers in (1, 2):
             threads = max(1, args.threads // workers)
             with EncoderPool(ckpt, workers=workers, threads_per_worker=threads) as pool:
-                s = median_seconds(lambda pool=pool: pool.encode(batch), args.repeats)
+                def run(pool=pool) -> None:
+                    futures = [pool.submit(data, DEFAULT_OPTIONS, 32 * 32) for data in batch]
+                    for future in futures:
+                        future.result()
+
+                s = median_seconds(run, args.repeats)
             name = f"8 x 32x32 pool {workers}w x {threads}t"
             print(f"{name:<28} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
 

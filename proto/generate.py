@@ -1,11 +1,11 @@
 """Regenerate the checked-in Python code for `proto/kimi/vision/v1/vision.proto`.
 
-    python proto/generate.py            # writes service/_proto/
+    python proto/generate.py            # writes service/rpc/_proto/
     python proto/generate.py --out DIR  # writes elsewhere (the staleness test compares the two)
 
 protoc names the generated modules after the proto's package path (`kimi/vision/v1/...`); we
-flatten them into `service/_proto/` and make the stub import its messages relatively, so the
-code imports as `service._proto.vision_pb2` without touching sys.path. The descriptor keeps its
+flatten them into `service/rpc/_proto/` and make the stub import its messages relatively, so the
+code imports as `service.rpc._proto.vision_pb2` without touching sys.path. The descriptor keeps its
 real file name, which is what server reflection reports.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 PROTO_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
 PROTO_FILE = "kimi/vision/v1/vision.proto"
-DEFAULT_OUT = REPO_ROOT / "service" / "_proto"
+DEFAULT_OUT = REPO_ROOT / "service" / "rpc" / "_proto"
 GENERATED = ("vision_pb2.py", "vision_pb2.pyi", "vision_pb2_grpc.py")
 INIT_TEXT = '"""Generated from proto/kimi/vision/v1/vision.proto by proto/generate.py; do not edit."""\n'
 
@@ -58,7 +58,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: service/_proto)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: service/rpc/_proto)")
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(path)

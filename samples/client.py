@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from service.client import VisionClient, user
+from service.rpc.client import VisionClient, user
 
 
 def main(argv: list[str] | None = None) -> int:

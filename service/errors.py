@@ -1,8 +1,13 @@
-"""The service's one error taxonomy and its mapping to gRPC status codes.
+"""The service's one error taxonomy: every failure a caller can meet has a `Kind`, and one table
+says what each kind means on every face: the gRPC status, the HTTP status, and whether a batch
+job retries it (a transient row that `--resume` runs again) or records it for good.
 
-Handlers raise either a `ServiceError` subclass or let a domain error (bad image, dead worker,
-bad chat) escape; `status_for` is the single place that turns any exception into the status a
-client sees. Messages name the problem; tracebacks stay in the server log.
+Domain errors carry their kind as a class attribute `kind` (the `Kind` value as a string), so
+`vision` and `textcore` need nothing from here: `ImageError` is bad input, `ImageTooLargeError`
+too large, `UnsupportedMediaError` unsupported, `ChatError` bad input. Errors the service raises
+itself are `ServiceError`s. `classify` is the single place that turns any exception into a kind and
+the message a client sees; an exception with no kind is a bug (INTERNAL to a client, logged with
+its traceback under a reference, and it stops a batch job).
 """
 
 from __future__ import annotations
@@ -10,84 +15,147 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from enum import StrEnum
+from typing import NamedTuple
 
 import grpc
+
+from textcore.chat import ChatError
+from vision.errors import ImageError, UnsupportedMediaError
 
 log = logging.getLogger("kimi_vision.service")
 
 
-class ServiceError(Exception):
-    """An error the client caused or must react to; `code` is what it sees."""
+class Kind(StrEnum):
+    BAD_INPUT = "bad_input"  # the request is wrong (a bad image, chat or field): fix it
+    TOO_LARGE = "too_large"  # over a size limit (bytes, pixels, images): send less
+    UNSUPPORTED = "unsupported"  # a valid request for something not served (video)
+    NOT_CONFIGURED = "not_configured"  # needs something the operator did not enable
+    OVERLOADED = "overloaded"  # the admission queue is full: retry later with backoff
+    UNAVAILABLE = "unavailable"  # warming up, draining, a worker died: retry here or elsewhere
+    DEADLINE = "deadline"  # the caller's deadline passed
+    CANCELLED = "cancelled"  # the caller went away
+    INTERNAL = "internal"  # a fault of the server: retry later, report if it stays
 
-    code = grpc.StatusCode.INTERNAL
+
+class Rule(NamedTuple):
+    grpc: grpc.StatusCode
+    http: int
+    retry: bool  # a batch job retries the item (and --resume runs it again) rather than record it
+
+
+RULES: dict[Kind, Rule] = {
+    Kind.BAD_INPUT: Rule(grpc.StatusCode.INVALID_ARGUMENT, 400, False),
+    Kind.TOO_LARGE: Rule(grpc.StatusCode.INVALID_ARGUMENT, 413, False),
+    Kind.UNSUPPORTED: Rule(grpc.StatusCode.UNIMPLEMENTED, 400, False),
+    Kind.NOT_CONFIGURED: Rule(grpc.StatusCode.FAILED_PRECONDITION, 400, False),
+    Kind.OVERLOADED: Rule(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
+    Kind.UNAVAILABLE: Rule(grpc.StatusCode.UNAVAILABLE, 503, True),
+    Kind.DEADLINE: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
+    Kind.CANCELLED: Rule(grpc.StatusCode.CANCELLED, 499, True),
+    Kind.INTERNAL: Rule(grpc.StatusCode.INTERNAL, 500, True),
+}
+
+# What a client reads before a domain error's own message, by the error's family (first match).
+_SUBJECTS: tuple[tuple[type[Exception], str], ...] = (
+    (UnsupportedMediaError, ""),
+    (ImageError, "bad image: "),
+    (ChatError, "bad chat: "),
+)
+
+
+class ServiceError(Exception):
+    """A failure the service reports with a kind of its own choosing."""
+
+    kind = Kind.INTERNAL
 
 
 class BadRequest(ServiceError):
-    """The request is malformed or breaks a limit (bad field, too many images, too large)."""
+    """The request is malformed (a bad field, an unknown option)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = Kind.BAD_INPUT
+
+
+class TooLarge(ServiceError):
+    """The request breaks a size limit (too many images, too many pixels in all)."""
+
+    kind = Kind.TOO_LARGE
 
 
 class Unsupported(ServiceError):
-    """A valid request for something this server does not do (video, unknown dtype kinds)."""
+    """A valid request for something this server does not do (video, a media type it does not know)."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    kind = Kind.UNSUPPORTED
+
+
+class NotConfigured(ServiceError):
+    """The request needs something the operator did not enable (an export directory, the trunk)."""
+
+    kind = Kind.NOT_CONFIGURED
 
 
 class Overloaded(ServiceError):
     """The admission queue is full; retry later with backoff."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = Kind.OVERLOADED
 
 
 class Unavailable(ServiceError):
     """Warming up, draining, or a worker died mid-request; safe to retry elsewhere or later."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = Kind.UNAVAILABLE
 
 
 class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = Kind.DEADLINE
 
 
-class NotConfigured(ServiceError):
-    """The request needs something the operator did not enable (e.g. an export directory)."""
+class Failure(NamedTuple):
+    """A classified failure: its kind and the message a client (or a batch row) shows."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind: Kind
+    message: str
 
-
-def _domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    # Imported here so `service.errors` stays light for clients; by the time a handler fails,
-    # the server has imported all of these anyway.
-    from service.splice import SpliceError
-    from textcore.chat import ChatError
-    from vision.errors import ImageError, UnsupportedMediaError
-    from vision.pool import PoolClosedError, WorkerDiedError
-
-    if isinstance(exc, UnsupportedMediaError):
-        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
-    if isinstance(exc, ImageError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"bad image: {exc}"
-    if isinstance(exc, ChatError | SpliceError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"bad chat: {exc}"
-    if isinstance(exc, WorkerDiedError):
-        return grpc.StatusCode.UNAVAILABLE, f"encoder worker died; retry: {exc}"
-    if isinstance(exc, PoolClosedError):
-        return grpc.StatusCode.UNAVAILABLE, "no encoder worker is available on this server; retry elsewhere"
-    return None
+    @property
+    def rule(self) -> Rule:
+        return RULES[self.kind]
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and client-facing message for an exception raised while serving."""
-    if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+def classify(exc: BaseException) -> Failure | None:
+    """The kind and client-facing message of a known failure; None for a bug."""
+    if isinstance(exc, TimeoutError):
+        return Failure(Kind.DEADLINE, str(exc) or "deadline exceeded")
     if isinstance(exc, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED, "cancelled"
-    mapped = _domain_status(exc)
-    if mapped is not None:
-        return mapped
+        return Failure(Kind.CANCELLED, "cancelled")
+    kind = getattr(exc, "kind", None)
+    if kind is None:
+        return None
+    subject = next((prefix for family, prefix in _SUBJECTS if isinstance(exc, family)), "")
+    return Failure(Kind(kind), f"{subject}{exc}")
+
+
+def failure_for(exc: BaseException) -> Failure:
+    """`classify`, with a bug reported as INTERNAL under a reference that the server log carries
+    with the traceback (the client never sees internals)."""
+    failure = classify(exc)
+    if failure is not None:
+        return failure
     ref = uuid.uuid4().hex[:12]
     log.error("internal error (ref %s)", ref, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; details in the server log)"
+    return Failure(Kind.INTERNAL, f"internal error (ref {ref}; details in the server log)")
+
+
+def kind_of_grpc(code: grpc.StatusCode) -> Kind:
+    """The kind a gRPC status stands for (the first kind the table maps to it; UNKNOWN and other
+    codes no rule names count as INTERNAL)."""
+    return next((kind for kind, rule in RULES.items() if rule.grpc == code), Kind.INTERNAL)
+
+
+class RemoteError(ServiceError):
+    """A failure a server reported over gRPC; its kind is the one its status code stands for."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.kind = kind_of_grpc(code)
+        # A retryable status says what happened to the call; a final one carries the server's
+        # message, worded as the engine words it ("bad image: ..."), so rows read the same either way.
+        super().__init__(f"server {code.name}: {details}" if RULES[self.kind].retry else details or code.name)

@@ -1,18 +1,18 @@
-"""service.allocator: the serving process keeps freed image-sized buffers for the next image."""
+"""service.engine.allocator: the serving process keeps freed image-sized buffers for the next image."""
 
 import subprocess
 import sys
 
 import pytest
 
-from service.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
+from service.engine.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
 
 # Three 16 MiB blocks alive at once, freed, then allocated again (the shape of a 12 MP Pillow
 # decode), in a worker thread as the server's executor runs it. Prints the page faults of the
 # last round.
 _PROGRAM = """
 import ctypes, resource, sys, threading
-from service.allocator import keep_freed_memory
+from service.engine.allocator import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory(256 << 20)
 libc = ctypes.CDLL(None)

@@ -25,13 +25,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from service.batch.backends import EngineBackend, ServerBackend, local_identity
+from service.batch.backends import EngineBackend, ServerBackend
 from service.batch.inputs import InputError, load_items
 from service.batch.journal import ResumeRefused, fingerprint_path, prepare, shard_dir
 from service.batch.runner import Job, JobSpec, RunOptions
-from service.default_checkpoint import default_checkpoint_dir
+from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
-from service.server import ServerConfig, ServerThread
+from service.engine.identity import checkpoint_fingerprint
+from service.rpc.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = REPO_ROOT / "samples"
@@ -375,7 +376,7 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
     rows = _by_id(output)
     assert sorted(rows) == sorted(GOOD + BAD)
     fp = json.loads(fingerprint_path(output).read_text())
-    assert fp["task"] == "embed" and fp["model"] == local_identity(checkpoint)
+    assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(checkpoint)
 
     via_server = tmp_path / "server.jsonl"
     _server_run(server.target, JobSpec("embed"), images, via_server)
@@ -387,7 +388,7 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
         assert list(tensor.shape) == emb["shape"] == [row["tokens"]["image"], 64] and emb["key"] == name
         ref = reference[name]["embedding"]
         expected = load_file(str(via_server.parent / ref["file"]))[ref["key"]]
-        np.testing.assert_allclose(tensor, expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(tensor, expected)  # one path: the same rows, bit for bit
         assert row["grid_thw"] == reference[name]["grid_thw"]
     for name in BAD:  # decoded in an encoder worker here, in the server's process there: the same row
         assert rows[name]["status"] == "error" and "embedding" not in rows[name]

@@ -17,11 +17,11 @@ import ray
 from safetensors.numpy import load_file
 
 from service.batch.backends import EngineBackend
-from service.batch.inputs import InputError, load_items
+from service.batch.inputs import load_items
 from service.batch.journal import ResumeRefused
+from service.batch.ray_engine import run_ray_job
 from service.batch.runner import Job, JobSpec, RunOptions
-from service.batch_ray import run_ray_job
-from service.default_checkpoint import default_checkpoint_dir
+from service.checkpoints.default import default_checkpoint_dir
 from service.engine import Engine, EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,7 @@ def _rows(output: Path) -> dict[str, dict]:
 
 def _comparable(row: dict) -> dict:
     out = {k: v for k, v in row.items() if k not in ("timings", "embedding")}
+    assert set(row["timings"]) <= {"read_ms", "model_ms", "total_ms"}  # the same keys on every engine
     if "embedding" in row:
         out["embedding"] = {k: v for k, v in row["embedding"].items() if k != "file"}
     return out
@@ -65,7 +66,7 @@ def inputs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine():
     """The local engine the Ray rows are compared with (embedded default checkpoint, one worker)."""
-    loaded = Engine.load(EngineConfig(devices="cpu:1", cache_bytes=0))
+    loaded = Engine.load(EngineConfig(checkpoint=default_checkpoint_dir(), devices="cpu:1", cache_bytes=0))
     yield loaded
     loaded.close()
 
@@ -79,7 +80,7 @@ def _local(spec: JobSpec, items, output: Path, engine) -> None:
 
 
 def test_ray_embed_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
-    checkpoint = str(default_checkpoint_dir())
+    checkpoint = default_checkpoint_dir()
     spec = JobSpec("embed")
     local_out = tmp_path / "local.jsonl"
     _local(spec, inputs, local_out, engine)
@@ -92,8 +93,7 @@ def test_ray_embed_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
     assert sorted(via_ray) == ["gray.png", "sub/bad.jpg", "sub/sticker.png"]
     assert {k: _comparable(v) for k, v in via_ray.items()} == {k: _comparable(v) for k, v in local.items()}
     for name in ("gray.png", "sub/sticker.png"):
-        np.testing.assert_allclose(_tensor(ray_out, via_ray[name]), _tensor(local_out, local[name]),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(_tensor(ray_out, via_ray[name]), _tensor(local_out, local[name]))
     # The fingerprints match too: a Ray job may resume a local one and vice versa.
     assert Path(str(ray_out) + ".job.json").read_text() == Path(str(local_out) + ".job.json").read_text()
 
@@ -102,19 +102,39 @@ def test_ray_embed_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
     assert (again.skipped, again.processed) == (3, 0)
     with pytest.raises(ResumeRefused, match="task: was \"embed\", now \"caption\""):
         run_ray_job(JobSpec("caption"), inputs, ray_out, resume=True, checkpoint=checkpoint)
-    jsonl = tmp_path / "x.jsonl"
-    jsonl.write_text('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n')
-    with pytest.raises(InputError, match="--engine ray takes a directory or a list"):
-        run_ray_job(spec, load_items(jsonl), tmp_path / "y.jsonl", resume=False, checkpoint=checkpoint)
+
+
+def test_ray_takes_jsonl_input_and_gives_the_local_rows(local_ray, engine, tmp_path):
+    """An OpenAI-batch JSONL (an inline data: URL, a path, a bad image) on Ray: the local rows."""
+    import base64
+
+    gray = (REPO_ROOT / "samples" / "grayscale.png").read_bytes()
+    shutil.copy(REPO_ROOT / "samples" / "sticker_rgba.png", tmp_path / "sticker.png")
+    (tmp_path / "bad.png").write_bytes(b"not a PNG")
+    lines = [{"custom_id": name, "body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}], "max_tokens": 3}}
+        for name, url in [("inline", "data:image/png;base64," + base64.b64encode(gray).decode()),
+                          ("by-path", "sticker.png"), ("bad", "bad.png")]]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    via_ray = _captions_local_and_on_ray(load_items(source), engine, tmp_path)
+    assert via_ray["inline"]["tokens"]["completion"] == 3  # the row's own max_tokens
+
+
+def _captions_local_and_on_ray(items, engine, tmp_path: Path) -> dict[str, dict]:
+    """Caption `items` (two good images, one bad) locally and on Ray; the rows must agree."""
+    spec = JobSpec("caption", max_new_tokens=5)
+    local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    _local(spec, items, local_out, engine)
+    summary = run_ray_job(spec, items, ray_out, resume=False, checkpoint=default_checkpoint_dir(), concurrency=1,
+                          options=RunOptions(tty=False))
+    assert (summary.ok, summary.errors) == (2, 1)
+    local, via_ray = _rows(local_out), _rows(ray_out)
+    assert {k: _comparable(v) for k, v in via_ray.items()} == {k: _comparable(v) for k, v in local.items()}
+    return via_ray
 
 
 def test_ray_caption_rows_equal_local_rows(local_ray, inputs, engine, tmp_path):
-    spec = JobSpec("caption", max_new_tokens=5)
-    local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    _local(spec, inputs, local_out, engine)
-    summary = run_ray_job(spec, inputs, ray_out, resume=False, concurrency=1, options=RunOptions(tty=False))
-    assert (summary.ok, summary.errors) == (2, 1)
-    local, via_ray = _rows(local_out), _rows(ray_out)
+    via_ray = _captions_local_and_on_ray(inputs, engine, tmp_path)
     assert via_ray["gray.png"]["tokens"]["completion"] == 5
-    assert {k: _comparable(v) for k, v in via_ray.items()} == {k: _comparable(v) for k, v in local.items()}
     assert via_ray["sub/bad.jpg"]["error"].startswith("bad image: messages[0].content[0]: not a recognised image")

@@ -12,8 +12,8 @@ from PIL import Image
 from safetensors import safe_open
 
 import vision
+from service.checkpoints.make import make_checkpoint
 from service.cli import main as cli_main
-from service.make_checkpoint import make_checkpoint
 from vision.encoder import VisionEncoder
 
 
@@ -56,7 +56,7 @@ def test_cli_embed_with_embedded_default(tmp_path, monkeypatch, capsys):
     assert f"error: {bad}:" in captured.err
     assert "building the embedded tiny default checkpoint" in captured.err
 
-    from service.default_checkpoint import default_checkpoint_dir
+    from service.checkpoints.default import default_checkpoint_dir
 
     reference = VisionEncoder.from_checkpoint(default_checkpoint_dir())
     with safe_open(out, framework="pt") as f:
@@ -79,8 +79,8 @@ def test_cli_embed_bad_checkpoint(tmp_path, capsys):
 
 
 def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
-    from service.ec_export import read_ec
-    from service.embed_cache import checkpoint_identity, content_hash
+    from service.engine.identity import checkpoint_fingerprint, content_hash
+    from service.engine.vllm_ec import read_ec
 
     ckpt = tmp_path / "ckpt"
     make_checkpoint(ckpt, "tiny", seed=0)
@@ -91,9 +91,9 @@ def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
     rc = cli_main(["embed", "--checkpoint", str(ckpt), "--workers", "1", "--format", "vllm-ec", "--out", str(out),
                    str(a), str(b)])
     assert rc == 0, capsys.readouterr().err
-    ident = checkpoint_identity(ckpt)
+    fingerprint = checkpoint_fingerprint(ckpt)
     dirs = sorted(p.name for p in out.iterdir())
-    hashes = {content_hash(p.read_bytes(), vision.options_key(), ident): p for p in (a, b)}
+    hashes = {content_hash(p.read_bytes(), vision.DEFAULT_OPTIONS, fingerprint): p for p in (a, b)}
     assert dirs == sorted(hashes)  # <DIR>/<hash>/encoder_cache.safetensors, nothing else
     for h, path in hashes.items():
         assert [f.name for f in (out / h).iterdir()] == ["encoder_cache.safetensors"]

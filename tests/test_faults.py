@@ -29,10 +29,11 @@ import pytest
 from PIL import Image
 from serve_process import REPO_ROOT, ServeProcess
 
-from service._proto import vision_pb2 as pb
-from service.client import VisionClient, image, user
+from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
-from service.server import ServerConfig, ServerThread
+from service.rpc._proto import vision_pb2 as pb
+from service.rpc.client import VisionClient, image, user
+from service.rpc.server import ServerConfig, ServerThread
 
 # A killed worker is back within 10 s. Wall time is judged only when the machine is not
 # oversubscribed (load average <= cores): on a shared 2-core box at load 9, importing torch alone
@@ -69,7 +70,7 @@ def rpc_code(future: Future, timeout_s: float = 60.0) -> str:
 def handle():
     # One work slot and one queue place: capacity 2, so queueing is easy to observe.
     config = ServerConfig(port=0, max_concurrency=1, max_queue=1)
-    with ServerThread(config, EngineConfig(devices="cpu:1", cache_bytes=0)) as h:
+    with ServerThread(config, EngineConfig(checkpoint=default_checkpoint_dir(), devices="cpu:1", cache_bytes=0)) as h:
         yield h
 
 

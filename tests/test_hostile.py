@@ -19,8 +19,8 @@ from k3_reference import reference_preprocess
 from PIL import Image
 from serve_process import ServeProcess
 
-from service._proto import vision_pb2 as pb
-from service.client import VisionClient, image, tensor_to_numpy, user
+from service.rpc._proto import vision_pb2 as pb
+from service.rpc.client import VisionClient, image, tensor_to_numpy, user
 
 RSS_LIMIT = 1536 << 20  # 1.5 GB
 BOMB_RSS_GROWTH_LIMIT = 32 << 20  # the smallest bomb (8001x8000 gray) would need 64 MB decoded

@@ -4,6 +4,7 @@ the embedded default checkpoint and the make-checkpoint CLI."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -12,13 +13,34 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.checkpoints.make import CheckpointPart, make_checkpoint, merge_parts, vision_part
 from service.cli import main as cli_main
-from service.make_checkpoint import MEDIA_PROC_CFG, CheckpointPart, make_checkpoint, merge_parts, vision_part
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from vision.config import PRESETS, VisionConfig
 from vision.encoder import VisionEncoder
 from vision.projector import Projector
 from vision.tower import VisionTower
+
+# K3_FACTS section 2: the release's processor config.
+RELEASE_MEDIA_PROC_CFG = {
+    "in_patch_limit": 65536,
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "patch_limit_on_one_side": 512,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "in_patch_limit_each_frame": 16384,
+    "sample_fps": 8.0,
+    "temporal_merge_kernel_size": 4,
+    "transparent_bg_config": {
+        "pattern": "chessboard",
+        "chessboard_square_size": 8,
+        "chessboard_square_on_top_left": True,
+        "chessboard_white_value": 255,
+        "chessboard_gray_value": 180,
+    },
+    "transparent_bg_fill_stage": "after_resize",
+}
 
 
 def release_names(layers: int, d: int, q: int, i: int, text: int, grid: int = 64) -> dict[str, tuple[int, ...]]:
@@ -79,8 +101,9 @@ def test_tiny_layout(tiny_dir):
     assert VisionConfig.from_checkpoint_config(config) == PRESETS["tiny"]
     assert config["text_config"]["hidden_size"] == PRESETS["tiny"].text_hidden_size
     assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
-    assert json.loads((tiny_dir / "preprocessor_config.json").read_text()) == {"media_proc_cfg": MEDIA_PROC_CFG}
-    assert MEDIA_PROC_CFG["in_patch_limit"] == 65536 and MEDIA_PROC_CFG["transparent_bg_fill_stage"] == "after_resize"
+    written = json.loads((tiny_dir / "preprocessor_config.json").read_text())
+    assert written == {"media_proc_cfg": RELEASE_MEDIA_PROC_CFG}
+    assert config["media_placeholder_token_id"] == 163605  # K3_FACTS section 6
     ckpt = Checkpoint(tiny_dir)
     t = PRESETS["tiny"]
     expected = release_names(t.vt_num_hidden_layers, t.vt_hidden_size, t.qkv_hidden_size, 128, t.text_hidden_size)
@@ -94,19 +117,28 @@ def test_tiny_layout(tiny_dir):
         "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_scale",
     ]
     assert not any(".experts." in n and n.endswith(".weight") for n in ckpt.names())
+    # ... and only they: the latent MoE projections around them stay dense, as in the release,
+    # so NeMo Automodel's adapter and SGLang (which read them dense) load this checkpoint unchanged.
+    packed_modules = {n.removesuffix(".weight_packed") for n in ckpt.names() if n.endswith(".weight_packed")}
+    assert packed_modules and all(re.search(r"\.experts\.\d+\.w[123]$", n) for n in packed_modules)
+    for layer in range(1, config["text_config"]["num_hidden_layers"]):  # every MoE layer
+        for proj in ("routed_expert_down_proj", "routed_expert_up_proj"):
+            name = f"language_model.model.layers.{layer}.block_sparse_moe.{proj}.weight"
+            assert ckpt.tensor(name).dtype == torch.bfloat16, name
 
 
 def test_bf16_checkpoint_quantizes_to_the_default(tmp_path):
-    from service.make_checkpoint import make_checkpoint as make
+    from service.checkpoints.make import make_checkpoint as make
     from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, quantize_tensors
 
     bf16 = Checkpoint(make(tmp_path / "bf16", "tiny", seed=0, mxfp4=False))
     assert not any(n.endswith("weight_packed") for n in bf16.names())
     assert "quantization_config" not in bf16.config
-    from service.make_checkpoint import linear_module_names
+    from service.checkpoints.make import packed_linears
 
     tensors = {n: bf16.tensor(n) for n in bf16.names()}
-    packed = quantize_tensors(tensors, K3_QUANTIZATION_CONFIG, linear_modules=linear_module_names(bf16.config))
+    packed = quantize_tensors(tensors, K3_QUANTIZATION_CONFIG,
+                              linear_modules=packed_linears(bf16.config, K3_QUANTIZATION_CONFIG))
     default = load_file(make(tmp_path / "mx", "tiny", seed=0) / "model-00001-of-00001.safetensors")
     assert sorted(packed) == sorted(default)
     assert all(torch.equal(packed[n], default[n]) for n in default)
@@ -210,7 +242,7 @@ def test_cli_make_checkpoint(tmp_path, capsys):
 
 
 def test_default_checkpoint_built_once_atomically(tmp_path, monkeypatch, capsys):
-    from service.default_checkpoint import cache_root, default_checkpoint_dir
+    from service.checkpoints.default import cache_root, default_checkpoint_dir
 
     monkeypatch.setenv("KIMI_VISION_CACHE", str(tmp_path / "cache"))
     assert cache_root() == tmp_path / "cache"
@@ -236,8 +268,8 @@ def test_default_checkpoint_built_once_atomically(tmp_path, monkeypatch, capsys)
 
 
 def test_generator_version_keys_the_cache(monkeypatch):
-    import service.make_checkpoint as mc
-    from service.default_checkpoint import generator_key
+    import service.checkpoints.make as mc
+    from service.checkpoints.default import generator_key
 
     before = generator_key()
     monkeypatch.setattr(mc, "GENERATOR_VERSION", "vision-test")

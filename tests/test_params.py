@@ -9,7 +9,7 @@ from service.cli import main
 
 @pytest.fixture(scope="module")
 def k3_counts():
-    from service.cmd_params import counts
+    from service.cli.params import counts
 
     return counts("k3")
 

@@ -1,4 +1,7 @@
-"""EncoderPool: real worker processes on this machine (tiny model, 1 thread per worker)."""
+"""EncoderPool: real worker processes on this machine (tiny model, 1 thread per worker).
+
+Every request is an image's encoded bytes; the worker decodes, preprocesses and encodes it, and
+the rows must equal what this process gets from the same bytes through `vision` directly."""
 
 from __future__ import annotations
 
@@ -13,20 +16,45 @@ import numpy as np
 import pytest
 import torch
 
-from service.make_checkpoint import make_checkpoint
+from service.checkpoints.make import make_checkpoint
+from service.engine.pool import EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
+from service.errors import Kind
 from tests.conftest import REPO_ROOT
-from vision import ImageDecodeError, ImageTooLargeError, Limits, preprocess_image
+from vision import (
+    DEFAULT_OPTIONS,
+    ImageDecodeError,
+    ImageOptions,
+    ImageTooLargeError,
+    Limits,
+    plan_image,
+    preprocess_image,
+)
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 from vision.encoder import VisionEncoder
-from vision.pool import EncodedImage, EncoderPool, PoolClosedError, WorkerDiedError, resolve_devices
 
 
-def image(h: int, w: int, seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
-    rng = np.random.default_rng(seed)
-    return rng.uniform(-1, 1, (h * w, 3, 14, 14)).astype(np.float32), (1, h, w)
+def png(rows: int, cols: int, seed: int) -> bytes:
+    """A noise PNG whose padded model input is exactly `rows` x `cols` patches (no resize)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (rows * 14, cols * 14, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
 
 
-ITEMS = [image(h, w, i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2, 2), (30, 40), (2, 50)])]
+# Patch grids (rows, columns): 24, 1024, 20, 4, 1200 and 100 patches.
+ITEMS = [png(h, w, i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2, 2), (30, 40), (2, 50)])]
+
+
+def submit(pool: EncoderPool, data: bytes, options: ImageOptions = DEFAULT_OPTIONS):
+    """What the engine does: read the header, then queue the bytes weighed by their patches."""
+    return pool.submit(data, options, plan_image(data, options).num_patches)
+
+
+def encode(pool: EncoderPool, datas: list[bytes]) -> list[torch.Tensor]:
+    futures = [submit(pool, data) for data in datas]
+    return [f.result(60) for f in futures]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +66,8 @@ def ckpt(tmp_path_factory):
 def reference(ckpt):
     torch.set_num_threads(1)
     try:
-        return VisionEncoder.from_checkpoint(ckpt).encode(ITEMS)
+        encoder = VisionEncoder.from_checkpoint(ckpt)
+        return [encoder.encode([preprocess_image(data)])[0] for data in ITEMS]
     finally:
         torch.set_num_threads(os.cpu_count() or 1)
 
@@ -60,18 +89,18 @@ def alive(pid: int) -> bool:
 
 def test_two_workers_equal_one_worker_and_in_process(ckpt, pool2, reference):
     with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool1:
-        one = pool1.encode(ITEMS)
+        one = encode(pool1, ITEMS)
         pids = [w["pid"] for w in pool1.health()["workers"]]
-    two = pool2.encode(ITEMS)
-    for a, b, r, (_, (_, h, w)) in zip(one, two, reference, ITEMS, strict=True):
-        assert a.shape == b.shape == ((h // 2) * (w // 2), 64) and a.device.type == "cpu"
+    two = encode(pool2, ITEMS)
+    for a, b, r, data in zip(one, two, reference, ITEMS, strict=True):
+        assert a.shape == b.shape == (plan_image(data).num_tokens, 64) and a.device.type == "cpu"
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-5)
     assert not any(alive(p) for p in pids)  # close() reaped the worker
     pool1.close()  # idempotent
     assert pool1.health()["serving"] is False
     with pytest.raises(PoolClosedError):
-        pool1.submit(ITEMS[0])
+        submit(pool1, ITEMS[0])
 
 
 def test_least_outstanding_patches_scheduling(pool2, reference):
@@ -79,8 +108,8 @@ def test_least_outstanding_patches_scheduling(pool2, reference):
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)  # freeze both so the queue state is observable
     try:
-        big = pool2.submit(ITEMS[1])  # 1024 patches -> worker 0 (tie broken by index)
-        small = [pool2.submit(ITEMS[i]) for i in (0, 2, 3)]  # all go to worker 1 (< 1024 patches)
+        big = submit(pool2, ITEMS[1])  # 1024 patches -> worker 0 (tie broken by index)
+        small = [submit(pool2, ITEMS[i]) for i in (0, 2, 3)]  # all go to worker 1 (< 1024 patches)
         workers = pool2.health()["workers"]
         assert [w["outstanding_patches"] for w in workers] == [1024, 24 + 20 + 4]
         assert [w["inflight"] for w in workers] == [1, 2]  # at most MAX_INFLIGHT_PER_WORKER sent
@@ -101,10 +130,10 @@ def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2,
     for pid in (victim, other):
         os.kill(pid, signal.SIGSTOP)  # the queues stay as submitted, deterministically
     try:
-        doomed = [pool2.submit(ITEMS[1])]  # 1024 patches -> worker 0
-        survivor = pool2.submit(ITEMS[4])  # 1200 -> worker 1
-        doomed.append(pool2.submit(ITEMS[0]))  # 24 -> worker 0, its second sent request
-        waiting = pool2.submit(ITEMS[3])  # 4 -> worker 0, held in the pool
+        doomed = [submit(pool2, ITEMS[1])]  # 1024 patches -> worker 0
+        survivor = submit(pool2, ITEMS[4])  # 1200 -> worker 1
+        doomed.append(submit(pool2, ITEMS[0]))  # 24 -> worker 0, its second sent request
+        waiting = submit(pool2, ITEMS[3])  # 4 -> worker 0, held in the pool
         workers = pool2.health()["workers"]
         assert [(w["inflight"], w["pending"]) for w in workers] == [(2, 1), (1, 0)]
         os.kill(victim, signal.SIGKILL)
@@ -113,11 +142,11 @@ def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2,
     for future in doomed:
         with pytest.raises(WorkerDiedError, match=r"worker 0 .*died \(signal 9\)") as e:
             future.result(30)
-        assert e.value.retryable
+        assert e.value.kind == Kind.UNAVAILABLE  # retryable
     torch.testing.assert_close(survivor.result(30), reference[4], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(waiting.result(60), reference[3], rtol=1e-5, atol=1e-5)  # by the new worker 0
     # Keeps serving right away, and the dead worker comes back.
-    torch.testing.assert_close(pool2.submit(ITEMS[0]).result(30), reference[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(submit(pool2, ITEMS[0]).result(30), reference[0], rtol=1e-5, atol=1e-5)
     deadline = time.monotonic() + 60
     while not all(w["ready"] for w in pool2.health()["workers"]):
         assert time.monotonic() < deadline, pool2.health()
@@ -125,7 +154,7 @@ def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2,
     health = pool2.health()
     assert health["serving"] and health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != victim
     assert not alive(victim)
-    for out, ref in zip(pool2.encode(ITEMS), reference, strict=True):
+    for out, ref in zip(encode(pool2, ITEMS), reference, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -134,7 +163,7 @@ def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(ckpt, referenc
         pid = pool.health()["workers"][0]["pid"]
         os.kill(pid, signal.SIGSTOP)  # the worker takes nothing while the client gives up
         try:
-            futures = [pool.submit(item) for item in ITEMS]
+            futures = [submit(pool, item) for item in ITEMS]
             worker = pool.health()["workers"][0]
             assert (worker["inflight"], worker["pending"]) == (2, 4)
             # Sent ones run to the end; the ones still in the pool cancel.
@@ -148,7 +177,7 @@ def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(ckpt, referenc
         assert all(f.cancelled() for f in futures[2:])
         # The worker answers in order, so once this one is answered any cancelled image it had
         # been sent would have been answered (counted) too.
-        torch.testing.assert_close(pool.submit(ITEMS[3]).result(30), reference[3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(submit(pool, ITEMS[3]).result(30), reference[3], rtol=1e-5, atol=1e-5)
         worker = pool.health()["workers"][0]
         assert (worker["answered"], worker["outstanding_patches"]) == (3, 0)
 
@@ -163,7 +192,7 @@ def _png(seed: int, size: int = 56) -> bytes:
 
 
 async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckpt):
-    """What a gRPC deadline or cancellation does to `Engine.embed_images` (the server's handler
+    """What a gRPC deadline or cancellation does to `Engine.embed` (the server's handler
     task is cancelled): images not sent to a worker yet are never encoded."""
     from service.engine import Engine, EngineConfig, ImageInput
 
@@ -173,7 +202,7 @@ async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckp
     os.kill(pid, signal.SIGSTOP)  # the worker takes nothing more than the first two images
     try:
         # Cancelled once all its images are queued: wrap_future cancels the pool futures.
-        call = asyncio.ensure_future(engine.embed_images([ImageInput(_png(seed)) for seed in range(6)]))
+        call = asyncio.ensure_future(engine.embed([ImageInput(_png(seed)) for seed in range(6)]))
         deadline = time.monotonic() + 60
         while (w := pool.health()["workers"][0])["inflight"] + w["pending"] < 6:
             assert time.monotonic() < deadline, w
@@ -185,7 +214,7 @@ async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckp
         assert (worker["inflight"], worker["pending"]) == (2, 0)
         # Cancelled while its images are still being preprocessed: the ones queued after that are withdrawn too.
         # (Larger images, so the cancellation usually lands while some are preprocessed.)
-        call = asyncio.ensure_future(engine.embed_images([ImageInput(_png(seed, 448)) for seed in range(6, 12)]))
+        call = asyncio.ensure_future(engine.embed([ImageInput(_png(seed, 448)) for seed in range(6, 12)]))
         await asyncio.sleep(0.01)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -204,8 +233,8 @@ def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(ckpt, refer
     closer = threading.Thread(target=pool.close, kwargs={"timeout_s": 60})
     os.kill(pid, signal.SIGSTOP)
     try:
-        sent = [pool.submit(ITEMS[i]) for i in (0, 2)]
-        waiting = [pool.submit(ITEMS[i]) for i in (3, 5)]
+        sent = [submit(pool, ITEMS[i]) for i in (0, 2)]
+        waiting = [submit(pool, ITEMS[i]) for i in (3, 5)]
         closer.start()
         for future in waiting:
             with pytest.raises(PoolClosedError, match="closed before this image was sent to a worker"):
@@ -221,63 +250,51 @@ def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(ckpt, refer
     assert not alive(pid)
 
 
-def test_encoded_bytes_and_preprocessed_images_equal_in_process_encoding(ckpt, pool2, torch_one_thread):
-    """Images the worker decodes (`submit_image`) or patchifies (`submit(Preprocessed)`) give
-    exactly what this process gets from the same bytes; bad bytes fail only their own future,
-    with the error `preprocess_image` raises here."""
+def test_worker_rows_equal_in_process_encoding_and_a_bad_body_fails_only_its_future(ckpt, pool2, torch_one_thread):
+    """The worker's rows for encoded bytes (with options) equal exactly what this process gets from
+    the same bytes; a body that does not decode fails only its own future, with the error
+    `preprocess_image` raises here, and no worker dies over it."""
     encoder = VisionEncoder.from_checkpoint(ckpt)
     names = ["photo.jpg", "sticker_rgba.png", "palette_transparent.png", "wide_strip.png"]
     datas = [(REPO_ROOT / "samples" / name).read_bytes() for name in names]
-    pres = [preprocess_image(data, max_tokens=256) for data in datas]
-    expected = [encoder.encode([pre])[0] for pre in pres]
-    from_bytes = [pool2.submit_image(data, max_tokens=256) for data in datas]
-    from_pre = [pool2.submit(pre) for pre in pres]
-    for future, pre, want in zip(from_bytes, pres, expected, strict=True):
-        got = future.result(60)
-        assert isinstance(got, EncodedImage)
-        assert got.grid_thw == pre.grid_thw and got.num_tokens == pre.num_tokens
-        assert torch.equal(got.rows, want)
-    for future, want in zip(from_pre, expected, strict=True):
+    options = ImageOptions(max_tokens=256)
+    expected = [encoder.encode([preprocess_image(data, options)])[0] for data in datas]
+    futures = [submit(pool2, data, options) for data in datas]
+    for future, want in zip(futures, expected, strict=True):
         assert torch.equal(future.result(60), want)
 
     pids = [w["pid"] for w in pool2.health()["workers"]]
     truncated = datas[0][: len(datas[0]) // 2]  # the header reads, the body does not decode
     with pytest.raises(ImageDecodeError) as here:
         preprocess_image(truncated)
-    future = pool2.submit_image(truncated)  # queued: the worker finds the body truncated
+    future = submit(pool2, truncated)  # queued: the worker finds the body truncated
     with pytest.raises(ImageDecodeError) as there:
         future.result(60)
     assert str(there.value) == str(here.value)
-    with pytest.raises(ImageDecodeError, match="not a recognised image"):
-        pool2.submit_image(b"this is text, not an image")  # the header: refused in the caller
-    with pytest.raises(ImageTooLargeError):
-        pool2.submit_image(datas[0], limits=Limits(max_pixels=1000))
-    with pytest.raises(ValueError, match="resize must be one of"):
-        pool2.submit_image(datas[0], resize="sideways")
     assert [w["pid"] for w in pool2.health()["workers"]] == pids  # no worker died over bad input
-    assert torch.equal(pool2.submit_image(datas[1], max_tokens=256).result(60).rows, expected[1])
+    assert torch.equal(submit(pool2, datas[1], options).result(60), expected[1])
+
+
+def test_workers_check_the_pool_limits_too(ckpt):
+    """The engine reads headers against its limits first; a worker checks the same limits as it decodes."""
+    data = ITEMS[1]  # 448 x 448
+    with EncoderPool(ckpt, workers=1, threads_per_worker=1, limits=Limits(max_pixels=1000)) as pool:
+        with pytest.raises(ImageTooLargeError, match="pixel limit"):
+            pool.submit(data, DEFAULT_OPTIONS, plan_image(data).num_patches).result(60)
 
 
 def test_large_payloads_through_shared_memory_equal_pickled_ones(ckpt, reference):
     """With `inline_bytes=0` every request and result goes through shared memory instead of the pipes."""
-    pre = preprocess_image((REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes())
+    sticker = (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()
     with EncoderPool(ckpt, workers=1, threads_per_worker=1, inline_bytes=0) as shared, \
             EncoderPool(ckpt, workers=1, threads_per_worker=1) as pickled:
-        for out, ref in zip(shared.encode(ITEMS), reference, strict=True):
+        for out, ref in zip(encode(shared, ITEMS), reference, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(shared.submit(pre).result(60), pickled.submit(pre).result(60))
+        assert torch.equal(submit(shared, sticker).result(60), submit(pickled, sticker).result(60))
         before = len(os.listdir("/proc/self/fd"))
-        held = [shared.submit(ITEMS[3]).result(30) for _ in range(20)]
+        held = [submit(shared, ITEMS[3]).result(30) for _ in range(20)]
         assert len(os.listdir("/proc/self/fd")) < before + 10  # results were copied out of shared memory
         torch.testing.assert_close(held[-1], reference[3], rtol=1e-5, atol=1e-5)
-
-
-def test_bad_input_raises_in_caller(pool2):
-    pixels, _ = ITEMS[0]
-    with pytest.raises(ValueError, match="do not match grid_thw"):
-        pool2.submit((pixels, (1, 4, 4)))
-    with pytest.raises(ValueError, match="multiple of the 2x2 merger"):
-        pool2.submit((pixels[:15], (1, 3, 5)))
 
 
 def test_bad_checkpoint_fails_fast_before_spawning(ckpt, tmp_path, monkeypatch):
@@ -312,13 +329,13 @@ def test_resolve_devices():
 
 def test_results_hold_no_file_descriptors_and_callbacks_may_resubmit(pool2, reference):
     before = len(os.listdir("/proc/self/fd"))
-    held = [pool2.submit(ITEMS[3]).result(30) for _ in range(40)]
+    held = [submit(pool2, ITEMS[3]).result(30) for _ in range(40)]
     assert len(os.listdir("/proc/self/fd")) < before + 10  # not one per held embedding
     torch.testing.assert_close(held[-1], reference[3], rtol=1e-5, atol=1e-5)
 
     chained = []
-    first = pool2.submit(ITEMS[0])
-    first.add_done_callback(lambda _: chained.append(pool2.submit(ITEMS[2])))  # runs on the collector thread
+    first = submit(pool2, ITEMS[0])
+    first.add_done_callback(lambda _: chained.append(submit(pool2, ITEMS[2])))  # runs on the collector thread
     first.result(30)
     deadline = time.monotonic() + 30
     while not chained:
@@ -333,7 +350,7 @@ def test_workers_exit_when_the_parent_is_killed(ckpt):
 
     script = (
         "import sys, time\n"
-        "from vision.pool import EncoderPool\n"
+        "from service.engine.pool import EncoderPool\n"
         f"pool = EncoderPool({str(ckpt)!r}, workers=1, threads_per_worker=1)\n"
         "print(*[w['pid'] for w in pool.health()['workers']], flush=True)\n"
         "time.sleep(600)\n"

@@ -16,12 +16,15 @@ from PIL import Image, features
 from vision import (
     ImageDecodeError,
     ImageError,
+    ImageOptions,
+    ImageOptionsError,
     ImageTooLargeError,
     Limits,
     UnsupportedMediaError,
     count_tokens,
     preprocess_image,
 )
+from vision.decode import accepted_formats
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
@@ -121,7 +124,7 @@ def test_avif_brand_is_not_mistaken_for_video() -> None:
 @pytest.mark.parametrize(
     ("limits", "data", "words"),
     [
-        (Limits(max_bytes=100), _jpeg(), "byte limit"),
+        (Limits(max_bytes=100), _jpeg(), "per-image byte limit"),
         (Limits(max_pixels=1000), _jpeg(64, 48), "pixel limit"),
         (Limits(max_side=50), _jpeg(64, 10), "longest side"),
         (Limits(max_frames=2), _gif_frames(3), "frame limit"),
@@ -181,7 +184,45 @@ def test_non_bytes_input_is_a_programming_error() -> None:
 
 def test_bad_options_are_refused() -> None:
     data = _jpeg()
-    with pytest.raises(ValueError, match="resize"):
-        preprocess_image(data, resize="bilinear")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_tokens"):
-        count_tokens(data, max_tokens=0)
+    with pytest.raises(ImageOptionsError, match="resize"):
+        preprocess_image(data, ImageOptions(resize="bilinear"))  # type: ignore[arg-type]
+    with pytest.raises(ImageOptionsError, match="max_tokens"):
+        count_tokens(data, ImageOptions(max_tokens=0))
+
+
+def _psd(w: int = 4, h: int = 3) -> bytes:
+    """A minimal Photoshop file: header, empty colour-mode, resource and layer sections, raw RGB."""
+    header = b"8BPS" + struct.pack(">H6xHIIHH", 1, 3, h, w, 8, 3)
+    return header + struct.pack(">III", 0, 0, 0) + struct.pack(">H", 0) + bytes(3 * w * h)
+
+
+def _cur() -> bytes:
+    """A Windows cursor: an ICO with a BMP entry and the cursor type in its header."""
+    ico = _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "ICO", sizes=[(16, 16)], bitmap_format="bmp")
+    return ico[:2] + b"\x02\x00" + ico[4:]
+
+
+REFUSED_FORMATS = {
+    "TGA": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "TGA"),
+    "PSD": _psd,
+    "QOI": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "QOI"),
+    "ICNS": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "ICNS"),
+    "CUR": _cur,
+    "PCX": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "PCX"),
+    "SGI": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "SGI"),
+    "DDS": lambda: _encode(Image.new("RGB", (16, 16), (1, 2, 3)), "DDS"),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(REFUSED_FORMATS))
+def test_a_refused_format_is_named_with_the_accepted_list(fmt: str) -> None:
+    """Pillow reads these, the service does not: the message says which format it is and what is
+    accepted, rather than calling the file unrecognisable."""
+    data = REFUSED_FORMATS[fmt]()
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.format == fmt  # the bytes really are that format
+    expected = f"{fmt} images are not accepted (accepted formats: {', '.join(accepted_formats())})"
+    for call in (preprocess_image, count_tokens):
+        with pytest.raises(ImageDecodeError) as info:
+            call(data)
+        assert str(info.value) == expected

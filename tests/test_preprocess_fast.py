@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vision import preprocess_image
+from vision import ImageOptions, preprocess_image
 
 
 def _strip(mode: str) -> bytes:
@@ -28,7 +28,7 @@ def _strip(mode: str) -> bytes:
 def test_fast_resize_is_close_and_keeps_the_geometry(mode: str) -> None:
     data = _strip(mode)
     exact = preprocess_image(data)
-    fast = preprocess_image(data, resize="fast")
+    fast = preprocess_image(data, ImageOptions(resize="fast"))
     assert exact.size != exact.orig_size, "the case must need a resize"
     for key in ("orig_size", "size", "padded_size", "grid_thw", "num_tokens", "prompt"):
         assert getattr(fast, key) == getattr(exact, key)
@@ -45,11 +45,13 @@ def test_fast_resize_leaves_palette_images_on_the_exact_path() -> None:
     buf = io.BytesIO()
     im.save(buf, "PNG", transparency=0)
     data = buf.getvalue()
-    np.testing.assert_array_equal(preprocess_image(data, resize="fast").image, preprocess_image(data).image)
+    fast = preprocess_image(data, ImageOptions(resize="fast"))
+    np.testing.assert_array_equal(fast.image, preprocess_image(data).image)
 
 
 def test_fast_without_a_resize_is_exact() -> None:
     buf = io.BytesIO()
     Image.new("RGBA", (300, 200), (10, 200, 30, 128)).save(buf, "PNG")
     data = buf.getvalue()
-    np.testing.assert_array_equal(preprocess_image(data, resize="fast").image, preprocess_image(data).image)
+    fast = preprocess_image(data, ImageOptions(resize="fast"))
+    np.testing.assert_array_equal(fast.image, preprocess_image(data).image)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from k3_reference import reference_size
 from PIL import Image
 
-from vision import Limits, count_tokens, options_key, plan_size, preprocess_image
+from vision import ImageOptions, ImageOptionsError, Limits, count_tokens, plan_size, preprocess_image
 from vision.navit import MAX_REFERENCE_TOKENS
 
 
@@ -90,11 +90,11 @@ def _jpeg_with_orientation(w: int, h: int, orientation: int) -> bytes:
 @pytest.mark.parametrize("transpose", [False, True])
 def test_exif_orientation_option(orientation: int, transpose: bool) -> None:
     data = _jpeg_with_orientation(60, 30, orientation)
-    out = preprocess_image(data, exif_transpose=transpose)
+    out = preprocess_image(data, ImageOptions(exif_transpose=transpose))
     swapped = transpose and orientation >= 5
     assert out.orig_size == ((30, 60) if swapped else (60, 30))
     assert out.prompt.startswith(f"<|media_begin|>image {out.orig_size[0]}x{out.orig_size[1]}")
-    assert count_tokens(data, exif_transpose=transpose) == out.num_tokens
+    assert count_tokens(data, ImageOptions(exif_transpose=transpose)) == out.num_tokens
     if transpose:
         with Image.open(io.BytesIO(data)) as im:
             from PIL import ImageOps
@@ -118,9 +118,9 @@ def _png_with_exif_after_idat(w: int, h: int, orientation: int) -> bytes:
 
 def test_png_exif_after_the_pixels_is_found_without_decoding() -> None:
     data = _png_with_exif_after_idat(70, 20, 6)
-    full = preprocess_image(data, exif_transpose=True)
+    full = preprocess_image(data, ImageOptions(exif_transpose=True))
     assert full.orig_size == (20, 70)
-    assert count_tokens(data, exif_transpose=True) == full.num_tokens
+    assert count_tokens(data, ImageOptions(exif_transpose=True)) == full.num_tokens
     assert preprocess_image(data).orig_size == (70, 20), "off by default (reference behaviour)"
 
 
@@ -128,7 +128,8 @@ def test_png_exif_after_the_pixels_is_found_without_decoding() -> None:
 def test_count_tokens_equals_full_path(w: int, h: int) -> None:
     data = _png(w, h)
     for cap in (None, 1, 5):
-        assert count_tokens(data, max_tokens=cap) == preprocess_image(data, max_tokens=cap).num_tokens
+        options = ImageOptions(max_tokens=cap)
+        assert count_tokens(data, options) == preprocess_image(data, options).num_tokens
 
 
 def test_count_tokens_does_not_decode_pixels() -> None:
@@ -144,17 +145,21 @@ def test_count_tokens_does_not_decode_pixels() -> None:
 
 def test_max_tokens_option_end_to_end() -> None:
     data = _png(1000, 700)
-    out = preprocess_image(data, max_tokens=100)
+    out = preprocess_image(data, ImageOptions(max_tokens=100))
     assert out.num_tokens <= 100 and out.pixel_values.shape[0] == out.num_tokens * 4
     assert out.prompt.startswith("<|media_begin|>image 1000x700<|media_content|>")
 
 
 def test_options_key_is_stable_and_distinguishes_options() -> None:
-    assert options_key() == options_key(max_tokens=None, exif_transpose=False, resize="exact")
-    keys = {options_key(), options_key(max_tokens=10), options_key(exif_transpose=True), options_key(resize="fast")}
+    assert ImageOptions().key() == ImageOptions(max_tokens=None, exif_transpose=False, resize="exact").key()
+    assert ImageOptions().key() == "kimi-k3-image/v1;max_tokens=None;exif_transpose=0;resize=exact"  # cache keys
+    keys = {ImageOptions().key(), ImageOptions(max_tokens=10).key(), ImageOptions(exif_transpose=True).key(),
+            ImageOptions(resize="fast").key()}
     assert len(keys) == 4
-    with pytest.raises(ValueError):
-        options_key(resize="nearest")  # type: ignore[arg-type]
+    with pytest.raises(ImageOptionsError):
+        ImageOptions(resize="nearest")  # type: ignore[arg-type]
+    with pytest.raises(ImageOptionsError, match="max_tokens"):
+        ImageOptions(max_tokens=True)
 
 
 def test_limits_validate_themselves() -> None:

@@ -13,19 +13,17 @@ from conftest import REPO_ROOT
 from safetensors import safe_open
 from torch import nn
 
+from service.checkpoints.make import vision_part
 from service.cli import main as cli_main
-from service.make_checkpoint import vision_part
 from textcore import mxfp4
 from textcore.config import tiny
 from textcore.model import MULTIMODAL_PREFIX, KimiLinearForCausalLM, random_weights
 from vision.checkpoint import INDEX_FILE, Checkpoint, write_checkpoint
 
 EXTRA_FILES = {"tiktoken.model": b"\x00\x01 not json \xff", "tokenizer_config.json": b'{"a": 1}\n'}
-# What the K3 ignore list leaves packed in this trunk, by name (independent of the module code):
-# the routed experts and the latent MoE projections around them (nn.Linear, not ignored).
-PACKED = re.compile(
-    r"language_model\.model\.layers\.\d+\.block_sparse_moe\.(experts\.\d+\.w[123]|routed_expert_(down|up)_proj)$"
-)
+# What the release packs with the K3 config, by name (independent of the module code): the routed
+# experts' w1/w2/w3 only (the latent MoE projections around them stay dense, K3_FACTS section 5).
+PACKED = re.compile(r"language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]$")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -58,7 +56,8 @@ def test_converter_packs_what_the_config_targets_and_copies_the_rest(converted):
     ckpt = Checkpoint(out)
     assert ckpt.config == {**Checkpoint(src).config, "quantization_config": mxfp4.K3_QUANTIZATION_CONFIG}
     packed = {n.removesuffix(".weight") for n in tensors if PACKED.match(n.removesuffix(".weight"))}
-    assert any(".experts." in n for n in packed) and any("routed_expert_up_proj" in n for n in packed)
+    assert packed and all(".experts." in n for n in packed)
+    assert any("routed_expert_up_proj" in n for n in tensors) and not any("routed_expert" in n for n in packed)
     for name in packed:
         q, s = mxfp4.quantize(tensors[f"{name}.weight"])
         assert torch.equal(ckpt.tensor(f"{name}.weight_packed"), q) and torch.equal(

@@ -12,8 +12,8 @@ import threading
 from PIL import Image
 from serve_process import ServeProcess
 
-from service.client import VisionClient
 from service.logs import ServerLog
+from service.rpc.client import VisionClient
 
 
 def _tiny_png() -> bytes:

@@ -10,6 +10,7 @@ request.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import re
 import time
@@ -23,11 +24,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from PIL import Image
 
 import vision
-from service import ec_export
-from service._proto import vision_pb2 as pb
-from service.client import AsyncVisionClient, VisionClient, message, to_numpy, user
-from service.engine import ChatInput, Engine, EngineConfig
-from service.server import CHUNK_BYTES, ServerConfig, ServerThread
+from service.engine import ChatInput, Engine, EngineConfig, ImageInput
+from service.engine import vllm_ec as ec_export
+from service.rpc._proto import vision_pb2 as pb
+from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
+from service.rpc.convert import CHUNK_BYTES
+from service.rpc.server import ServerConfig, ServerThread
 from textcore.chat import render
 from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 
@@ -60,7 +62,7 @@ def _free_port() -> int:
 
 def _tiny_checkpoint(directory):
     """The tiny random checkpoint the embedded default is made of (tower, MXFP4 trunk, tokenizer)."""
-    from service.make_checkpoint import make_checkpoint
+    from service.checkpoints.make import make_checkpoint
 
     return make_checkpoint(directory, "tiny", 0)
 
@@ -82,9 +84,15 @@ def metrics_port():
 
 @pytest.fixture(scope="module")
 def server(checkpoint, export_dir, metrics_port):
-    config = ServerConfig(port=0, max_images=4, ec_export_dir=str(export_dir), metrics_port=metrics_port)
-    with ServerThread(config, EngineConfig(checkpoint=str(checkpoint), devices="cpu:1")) as handle:
+    engine_config = EngineConfig(checkpoint=str(checkpoint), devices="cpu:1", max_images=4,
+                                 ec_export_dir=str(export_dir))
+    with ServerThread(ServerConfig(port=0, metrics_port=metrics_port), engine_config) as handle:
         yield handle
+
+
+def _pool_rows(engine: Engine, data: bytes) -> torch.Tensor:
+    """One image's rows straight from the engine's pool (the reference the RPCs must match)."""
+    return engine.pool.submit(data, vision.DEFAULT_OPTIONS, vision.plan_image(data).num_patches).result(60)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +130,7 @@ def stopper(server, checkpoint):
         head[a, :2] = torch.tensor([1.0, 0.0])  # after <|sep|>
         head[b, :2] = torch.tensor([0.0, 1.0])  # after "a"
         head[END_OF_MSG_ID, :2] = torch.tensor([-1.0, 0.0])  # after "b"
-    engine = Engine(EngineConfig(checkpoint=str(checkpoint)), main.checkpoint_dir, main.tokenizer, model, main.pool)
+    engine = Engine(EngineConfig(checkpoint=str(checkpoint)), main.tokenizer, main.pool, model)
     with ServerThread(ServerConfig(port=0), engine=engine) as handle:
         yield handle
     engine.cpu_executor.shutdown()
@@ -131,11 +139,17 @@ def stopper(server, checkpoint):
 
 @pytest.fixture()
 def narrow(server):
-    """One slot, no queue, at most 3,000 decoded pixels per request; shares the main server's engine."""
-    config = ServerConfig(port=0, max_concurrency=1, max_queue=0, drain_grace_s=60, max_request_pixels=3000)
-    handle = ServerThread(config, engine=server.engine).wait_ready()
+    """One slot, no queue, at most 3,000 decoded pixels per request and no export directory; an
+    engine over the main server's tokenizer, pool and trunk."""
+    main = server.engine
+    config = dataclasses.replace(main.config, max_request_pixels=3000, ec_export_dir=None)
+    engine = Engine(config, main.tokenizer, main.pool, main.model)
+    handle = ServerThread(ServerConfig(port=0, max_concurrency=1, max_queue=0, drain_grace_s=60),
+                          engine=engine).wait_ready()
     yield handle
     handle.stop()
+    engine.cpu_executor.shutdown()
+    engine.trunk_executor.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +172,7 @@ def test_not_serving_until_warm(tmp_path):
     try:
         with VisionClient(handle.target, timeout=30) as c:
             assert c.health() == "NOT_SERVING"
-            with pytest.raises(Exception, match="does not exist"):
+            with pytest.raises(Exception, match="checkpoint directory not found"):
                 handle.wait_ready()
             assert c.health() == "NOT_SERVING"
             err = _code(lambda: c.count_tokens(_png(28, 28)))
@@ -211,7 +225,7 @@ def test_count_tokens_image_and_chat(client):
 
 def test_embed_equals_projector_rows_and_is_cached(server, client):
     data = _png(130, 90, seed=3)
-    ref = server.engine.pool.encode([vision.preprocess_image(data)])[0]
+    ref = _pool_rows(server.engine, data)
     header, rows = client.embed(data)
     assert header.num_tokens == ref.shape[0] and header.hidden_size == ref.shape[1]
     assert list(header.shape) == list(ref.shape) and header.dtype == "float32"
@@ -244,7 +258,7 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
     encoded = client.encode(chat)
     header, ids = encoded.header, encoded.input_ids
     pres = [vision.preprocess_image(x) for x in (a, b, c)]
-    refs = server.engine.pool.encode(pres)
+    refs = [_pool_rows(server.engine, x) for x in (a, b, c)]
     # Exactly num_tokens media_pads per image, contiguous, in prompt order.
     assert ids.count(MEDIA_PAD_ID) == sum(p.num_tokens for p in pres)
     assert [s.length for s in header.spans] == [p.num_tokens for p in pres]
@@ -268,9 +282,9 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
     # token embeddings.
     engine = server.engine
     chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
-    expanded = engine.expanded_prompt(ChatInput(messages), chat_input_embeddings)
+    chat = ChatInput(messages, images=[ImageInput(x) for x in (a, b, c)])
+    expanded, embeds, _ = engine.trunk_input(chat, chat_input_embeddings)
     assert expanded.input_ids == ids
-    embeds = engine.input_embeds(expanded, chat_input_embeddings)
     text_rows = engine.model.embed_tokens(torch.tensor(ids))
     is_image = torch.tensor(ids) == MEDIA_PAD_ID
     torch.testing.assert_close(embeds[~is_image], text_rows[~is_image], rtol=0, atol=0)
@@ -424,7 +438,7 @@ def test_overload_cancel_and_drain(narrow, server):
         err = _code(lambda: c.count_tokens(_png(28, 28)))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in err.details()
         long_call.cancel()
-        assert _trunk_idle_within(server.engine, 20)
+        assert _trunk_idle_within(narrow.engine, 20)
         deadline = time.monotonic() + 10
         while narrow.server.admission.admitted and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -510,7 +524,7 @@ def test_demo_command(checkpoint, tmp_path):
 
     from conftest import REPO_ROOT
 
-    from service.default_checkpoint import generator_key
+    from service.checkpoints.default import generator_key
 
     readme = (REPO_ROOT / "README.md").read_text()
     command = re.search(r"Main job.*?```bash\n(.*?)\n```", readme, re.S).group(1).strip()

@@ -1,5 +1,5 @@
 """The service's pure parts: media_pad expansion, position ids, row splicing, the embedding cache,
-the vLLM encoder-cache files and the error mapping."""
+the model identity, the vLLM encoder-cache files and the error taxonomy."""
 
 from types import SimpleNamespace
 
@@ -7,11 +7,13 @@ import grpc
 import pytest
 import torch
 
-from service import ec_export, errors
-from service.embed_cache import EmbedCache, checkpoint_identity, content_hash
-from service.splice import Span, SpliceError, expand_media_pads, position_ids, splice_rows
-
-PAD = 163605
+from service import errors
+from service.engine import vllm_ec as ec_export
+from service.engine.cache import EmbedCache
+from service.engine.identity import checkpoint_fingerprint, content_hash
+from textcore.splice import Span, SpliceError, expand_media_pads, position_ids, splice_rows
+from textcore.tokenizer import MEDIA_PAD_ID as PAD
+from vision import ImageOptions
 
 
 def test_expand_media_pads_several_images():
@@ -66,13 +68,14 @@ def test_embed_cache_is_lru_and_bounded_in_bytes():
 
 
 def test_content_hash_covers_bytes_options_and_checkpoint():
-    base = content_hash(b"img", "opts", "ck1")
-    assert base == content_hash(b"img", "opts", "ck1")
-    assert len({base, content_hash(b"img2", "opts", "ck1"), content_hash(b"img", "opts2", "ck1"),
-                content_hash(b"img", "opts", "ck2")}) == 4
+    opts, capped = ImageOptions(), ImageOptions(max_tokens=8)
+    base = content_hash(b"img", opts, "ck1")
+    assert base == content_hash(b"img", ImageOptions(), "ck1")
+    assert len({base, content_hash(b"img2", opts, "ck1"), content_hash(b"img", capped, "ck1"),
+                content_hash(b"img", opts, "ck2")}) == 4
 
 
-def test_checkpoint_identity_tells_seeds_apart(tmp_path):
+def test_checkpoint_fingerprint_tells_seeds_apart(tmp_path):
     from safetensors.torch import save_file
 
     for name, seed in (("one", 0), ("two", 1)):
@@ -80,8 +83,8 @@ def test_checkpoint_identity_tells_seeds_apart(tmp_path):
         (tmp_path / name / "config.json").write_text("{}")
         save_file({"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(seed))},
                   tmp_path / name / "model.safetensors")
-    assert checkpoint_identity(tmp_path / "one") == checkpoint_identity(tmp_path / "one")
-    assert checkpoint_identity(tmp_path / "one") != checkpoint_identity(tmp_path / "two")
+    assert checkpoint_fingerprint(tmp_path / "one") == checkpoint_fingerprint(tmp_path / "one")
+    assert checkpoint_fingerprint(tmp_path / "one") != checkpoint_fingerprint(tmp_path / "two")
 
 
 def test_vllm_encoder_cache_layout(tmp_path):
@@ -98,23 +101,46 @@ def test_vllm_encoder_cache_layout(tmp_path):
         ec_export.write_ec(tmp_path, "../escape", rows)
 
 
-def test_error_mapping_is_one_table():
+def test_error_taxonomy_is_one_table():
+    """Every failure has a kind; the kind alone decides the gRPC code, the HTTP status and whether a
+    batch job retries it."""
+    from service.batch.inputs import ItemError
+    from service.engine.pool import EncodeError, PoolClosedError, WorkerDiedError
     from textcore.chat import ChatError
-    from vision.errors import ImageDecodeError, UnsupportedMediaError
-    from vision.pool import PoolClosedError, WorkerDiedError
+    from vision.errors import ImageDecodeError, ImageOptionsError, ImageTooLargeError, UnsupportedMediaError
 
+    K, G = errors.Kind, grpc.StatusCode
     cases = [
-        (errors.BadRequest("x"), grpc.StatusCode.INVALID_ARGUMENT),
-        (errors.Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (errors.Unavailable("x"), grpc.StatusCode.UNAVAILABLE),
-        (ImageDecodeError("truncated"), grpc.StatusCode.INVALID_ARGUMENT),
-        (UnsupportedMediaError("video"), grpc.StatusCode.UNIMPLEMENTED),
-        (ChatError("role"), grpc.StatusCode.INVALID_ARGUMENT),
-        (WorkerDiedError("died"), grpc.StatusCode.UNAVAILABLE),
-        (PoolClosedError("closed"), grpc.StatusCode.UNAVAILABLE),
-        (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (errors.BadRequest("x"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (errors.TooLarge("x"), K.TOO_LARGE, G.INVALID_ARGUMENT, 413, False),
+        (errors.Unsupported("x"), K.UNSUPPORTED, G.UNIMPLEMENTED, 400, False),
+        (errors.NotConfigured("x"), K.NOT_CONFIGURED, G.FAILED_PRECONDITION, 400, False),
+        (errors.Overloaded("x"), K.OVERLOADED, G.RESOURCE_EXHAUSTED, 429, True),
+        (errors.Unavailable("x"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
+        (ImageDecodeError("truncated"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (ImageOptionsError("resize"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (ImageTooLargeError("pixels"), K.TOO_LARGE, G.INVALID_ARGUMENT, 413, False),
+        (UnsupportedMediaError("video"), K.UNSUPPORTED, G.UNIMPLEMENTED, 400, False),
+        (ChatError("role"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (SpliceError("pads"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (WorkerDiedError("died"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
+        (PoolClosedError("closed"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
+        (EncodeError("boom"), K.INTERNAL, G.INTERNAL, 500, True),
+        (ItemError("no such file", transient=False), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (ItemError("NFS hiccup", transient=True), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
+        (TimeoutError(), K.DEADLINE, G.DEADLINE_EXCEEDED, 504, True),
+        (errors.RemoteError(G.INVALID_ARGUMENT, "bad image: x"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
+        (errors.RemoteError(G.UNKNOWN, "?"), K.INTERNAL, G.INTERNAL, 500, True),
     ]
-    for exc, code in cases:
-        assert errors.status_for(exc)[0] == code, exc
-    code, message = errors.status_for(RuntimeError("secret internals"))
-    assert code == grpc.StatusCode.INTERNAL and "secret" not in message and "ref" in message
+    for exc, kind, code, http, retry in cases:
+        failure = errors.classify(exc)
+        assert failure is not None and failure.kind == kind, exc
+        assert failure.rule == errors.Rule(code, http, retry), exc
+    assert errors.classify(ImageDecodeError("truncated")).message == "bad image: truncated"
+    assert errors.classify(ChatError("role")).message == "bad chat: role"
+    assert errors.classify(UnsupportedMediaError("video")).message == "video"
+    assert errors.classify(errors.RemoteError(G.UNAVAILABLE, "draining")).message == "server UNAVAILABLE: draining"
+    assert errors.classify(RuntimeError("a bug")) is None  # no kind: a bug
+    failure = errors.failure_for(RuntimeError("secret internals"))
+    assert failure.kind == K.INTERNAL and "secret" not in failure.message and "ref" in failure.message
+    assert set(errors.RULES) == set(errors.Kind)

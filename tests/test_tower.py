@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from service.make_checkpoint import make_checkpoint
-from vision.config import PRESETS, VisionConfig, param_counts
-from vision.encoder import VisionEncoder
+from service.checkpoints.make import make_checkpoint
+from vision.config import PRESETS, VisionConfig
+from vision.encoder import VisionEncoder, model_input, param_counts
 from vision.projector import Projector
-from vision.tower import PositionGrid, VisionTower, apply_rope, merge_patches, rope_2d, sincos_time_table
+from vision.tower import PositionGrid, VisionTower, apply_rope, check_grids, merge_patches, rope_2d, sincos_time_table
 
 TINY = PRESETS["tiny"]
 
@@ -180,3 +180,11 @@ def test_tower_rejects_bad_grids(encoder):
         encoder.tower(torch.zeros(2 * 514, 3, 14, 14), [(1, 2, 514)])
     with pytest.raises(ValueError, match="do not match grid_thw"):
         encoder.encode([(pixels, (1, 2, 6))])
+
+
+def test_pixels_that_do_not_match_their_grid_are_refused():
+    pixels = torch.zeros(24, 3, 14, 14)
+    with pytest.raises(ValueError, match="do not match grid_thw"):
+        model_input((pixels, (1, 4, 4)))
+    with pytest.raises(ValueError, match="multiple of the 2x2 merger"):
+        check_grids([(1, 3, 5)], 15, VisionConfig())

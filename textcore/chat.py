@@ -73,6 +73,8 @@ _JSON_SCHEMA = ("The system is invoked with `response_format=json_schema`.\n" + 
 class ChatError(ValueError):
     """A chat request that cannot be rendered; the message names the offending field."""
 
+    kind = "bad_input"  # in the service's error taxonomy (service.errors.Kind)
+
 
 class Prompt(NamedTuple):
     text: str

@@ -77,6 +77,13 @@ K3_QUANTIZATION_CONFIG: dict[str, Any] = {
 }
 
 
+# What the release actually stores packed: only the routed experts' w1/w2/w3 (K3_FACTS section 5).
+# Its config's ignore list leaves routed_expert_{down,up}_proj targeted too, yet the release keeps
+# them dense, and the peers that load it (NeMo Automodel's adapter, SGLang) read them dense. The
+# loader goes by the tensors present, so it takes either.
+K3_PACKED_MODULES = re.compile(r"(^|\.)experts\.\d+\.w[123]$")
+
+
 class MXFP4Error(ValueError):
     """Input that cannot be quantised, decoded or configured as MXFP4, with the reason."""
 

@@ -4,20 +4,26 @@ Importing this package is light (Pillow and numpy; no torch): the preprocessing 
 what the CLI and the service use.
 """
 
-from .decode import Limits
-from .errors import ImageDecodeError, ImageError, ImageTooLargeError, UnsupportedMediaError
+from .decode import DEFAULT_LIMITS, Limits
+from .errors import ImageDecodeError, ImageError, ImageOptionsError, ImageTooLargeError, UnsupportedMediaError
 from .navit import plan_size
-from .preprocess import Preprocessed, count_tokens, options_key, preprocess_image
+from .options import DEFAULT_OPTIONS, ImageOptions
+from .preprocess import ImagePlan, Preprocessed, count_tokens, plan_image, preprocess_image
 
 __all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_OPTIONS",
     "ImageDecodeError",
     "ImageError",
+    "ImageOptions",
+    "ImageOptionsError",
+    "ImagePlan",
     "ImageTooLargeError",
     "Limits",
     "Preprocessed",
     "UnsupportedMediaError",
     "count_tokens",
-    "options_key",
+    "plan_image",
     "plan_size",
     "preprocess_image",
 ]

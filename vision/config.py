@@ -131,18 +131,3 @@ def preset(name: str) -> VisionConfig:
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
-
-def param_counts(preset_name: str) -> dict[str, int]:
-    """Parameter counts of the tower and the projector, built on the meta device (no memory)."""
-    import torch
-
-    from vision.projector import Projector
-    from vision.tower import VisionTower
-
-    cfg = preset(preset_name)
-    with torch.device("meta"):
-        tower, projector = VisionTower(cfg), Projector(cfg)
-    return {
-        "vision": sum(p.numel() for p in tower.parameters()),
-        "projector": sum(p.numel() for p in projector.parameters()),
-    }

@@ -47,6 +47,9 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
 
 
+DEFAULT_LIMITS = Limits()
+
+
 # --- warnings --------------------------------------------------------------------------------
 # `warnings.catch_warnings` swaps the process-wide filter list, so two threads using it at once
 # can restore each other's state. Concurrent decodes share one swap, counted under a lock, and
@@ -138,10 +141,25 @@ def _signature(data: bytes) -> str | None:
     return next((name for magic, name in _SIGNATURES if data.startswith(magic)), None)
 
 
-def _open(data: bytes, limits: Limits) -> Image.Image:
+def accepted_formats() -> list[str]:
+    """The accepted formats this Pillow build can open (builds without an optional codec, such as
+    AVIF before Pillow 11.3, simply do not offer it)."""
     Image.init()  # registers every plugin (once); `formats=` only knows registered ones
-    # Pillow builds without an optional codec (AVIF before Pillow 11.3) simply do not offer it.
-    formats = [name for name in ACCEPTED_FORMATS if name in Image.OPEN]
+    return [name for name in ACCEPTED_FORMATS if name in Image.OPEN]
+
+
+def _refused_format(data: bytes) -> str | None:
+    """The name of the format Pillow reads `data` as, among those it knows but we refuse."""
+    refused = [name for name in Image.OPEN if name not in ACCEPTED_FORMATS]
+    try:
+        with Image.open(io.BytesIO(data), formats=refused) as image:  # the header only, never decoded
+            return image.format
+    except Exception:  # noqa: BLE001 - not one of them either (or too broken to tell)
+        return None
+
+
+def _open(data: bytes, limits: Limits) -> Image.Image:
+    formats = accepted_formats()
     try:
         return Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:
@@ -154,9 +172,11 @@ def _open(data: bytes, limits: Limits) -> Image.Image:
         kind = _signature(data)
         if kind is not None:
             raise ImageDecodeError(f"truncated or corrupt {kind} header") from None
-        raise ImageDecodeError(
-            "not a recognised image (accepted formats: " + ", ".join(ACCEPTED_FORMATS) + ")"
-        ) from None
+        accepted = ", ".join(formats)
+        refused = _refused_format(data)
+        if refused is not None:
+            raise ImageDecodeError(f"{refused} images are not accepted (accepted formats: {accepted})") from None
+        raise ImageDecodeError(f"not a recognised image (accepted formats: {accepted})") from None
     except Exception as e:  # Pillow raises many types on malformed headers
         raise ImageDecodeError(f"truncated or corrupt image header: {_describe(e)}") from None
 
@@ -207,7 +227,7 @@ def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) ->
     data = bytes(data)
     if len(data) > limits.max_bytes:
         raise ImageTooLargeError(
-            f"encoded image is {len(data):,} bytes, over the {limits.max_bytes:,}-byte limit; "
+            f"encoded image is {len(data):,} bytes, over the per-image byte limit ({limits.max_bytes:,} bytes); "
             "send a smaller or more compressed file"
         )
     if not data:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vision.checkpoint import Checkpoint, CheckpointError
-from vision.config import VisionConfig
+from vision.config import VisionConfig, preset
 from vision.projector import Projector
 from vision.tower import Grid, VisionTower
 
@@ -119,3 +119,14 @@ class VisionEncoder:
         merged = self.tower(pixels, grids)
         rows = self.projector(merged)
         return list(rows.split([(h // 2) * (w // 2) for _, h, w in grids]))
+
+
+def param_counts(preset_name: str) -> dict[str, int]:
+    """Parameter counts of the tower and the projector of a preset, built on the meta device (no memory)."""
+    cfg = preset(preset_name)
+    with torch.device("meta"):
+        tower, projector = VisionTower(cfg), Projector(cfg)
+    return {
+        "vision": sum(p.numel() for p in tower.parameters()),
+        "projector": sum(p.numel() for p in projector.parameters()),
+    }

@@ -36,6 +36,11 @@ class SizePlan:
         return (1, h // PATCH_SIZE, w // PATCH_SIZE)
 
     @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    @property
     def num_tokens(self) -> int:
         w, h = self.padded_size
         return (h // TOKEN_SIDE) * (w // TOKEN_SIDE)

@@ -1,7 +1,8 @@
 """Image bytes -> exactly the model input Kimi-K3's own processor produces (K3_FACTS section 2).
 
 The reference steps, and how this module does each one:
-  1. size rule                  -> `vision.navit.plan_size` (same float expressions)
+  1. size rule                  -> `vision.navit.plan_size` (same float expressions), read from the
+                                   header alone by `plan_image`
   2. Pillow BICUBIC resize in the image's native mode -> Pillow itself (it *is* the reference)
   3. checkerboard compositing after the resize (float32 blend, truncation)
                                 -> one gather from a 2x256x256 table built with the same float32 ops
@@ -19,17 +20,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from .decode import Header, Limits, decode, open_header, oriented_size, pillow_quiet
+from .decode import DEFAULT_LIMITS, Header, Limits, decode, open_header, oriented_size, pillow_quiet
 from .errors import ImageDecodeError
-from .navit import PATCH_SIZE, SizePlan, plan_size
-
-ResizeMode = Literal["exact", "fast"]
-RESIZE_MODES = ("exact", "fast")
+from .navit import IN_PATCH_LIMIT, MERGE_KERNEL_SIZE, PATCH_LIMIT_ON_ONE_SIDE, PATCH_SIZE, SizePlan, plan_size
+from .options import DEFAULT_OPTIONS, ImageOptions
+from .video import VideoConfig
 
 # Processor config (K3_FACTS section 2).
 IMAGE_MEAN = 0.5  # the same for all three channels
@@ -66,33 +66,49 @@ COMPOSITE_TABLE.flags.writeable = False
 _COMPOSITE_FLAT = COMPOSITE_TABLE.reshape(-1)
 
 
-def options_key(*, max_tokens: int | None = None, exif_transpose: bool = False, resize: ResizeMode = "exact") -> str:
-    """A stable string naming every option that changes the output (limits do not: they only
-    accept or refuse). Bump the version when the output for the same options changes."""
-    _check_options(max_tokens, resize)
-    return f"kimi-k3-image/v1;max_tokens={max_tokens};exif_transpose={int(bool(exif_transpose))};resize={resize}"
+def processor_config() -> dict[str, Any]:
+    """The release's `preprocessor_config.json` `media_proc_cfg`, from the constants this package runs."""
+    video = VideoConfig()
+    return {
+        "in_patch_limit": IN_PATCH_LIMIT,
+        "patch_size": PATCH_SIZE,
+        "merge_kernel_size": MERGE_KERNEL_SIZE,
+        "patch_limit_on_one_side": PATCH_LIMIT_ON_ONE_SIDE,
+        "image_mean": [IMAGE_MEAN] * 3,
+        "image_std": [IMAGE_STD] * 3,
+        "in_patch_limit_each_frame": video.patches_per_frame,
+        "sample_fps": video.sample_fps,
+        "temporal_merge_kernel_size": video.frames_per_chunk,
+        "transparent_bg_config": {
+            "pattern": "chessboard",
+            "chessboard_square_size": CHECKER_SQUARE,
+            "chessboard_square_on_top_left": True,
+            "chessboard_white_value": CHECKER_WHITE,
+            "chessboard_gray_value": CHECKER_GRAY,
+        },
+        "transparent_bg_fill_stage": "after_resize",
+    }
 
 
-def _check_options(max_tokens: int | None, resize: str) -> None:
-    if resize not in RESIZE_MODES:
-        raise ValueError(f"resize must be one of {RESIZE_MODES}, got {resize!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+@dataclass(frozen=True)
+class ImagePlan(SizePlan):
+    """What an image becomes, known from its header alone (sizes are (width, height))."""
+
+    source_format: str  # the container format Pillow read ("JPEG", "PNG", ...)
+    source_mode: str  # its native Pillow mode ("RGB", "P", "LA", ...)
+
+    @property
+    def prompt(self) -> str:
+        """The image's prompt text, with its decoded (pre-resize) size."""
+        w, h = self.orig_size
+        return PROMPT_TEMPLATE.format(w=w, h=h)
 
 
 @dataclass(frozen=True, eq=False)
-class Preprocessed:
-    """One image as the model takes it. Sizes are (width, height)."""
+class Preprocessed(ImagePlan):
+    """One image as the model takes it: its plan and the padded pixels."""
 
-    orig_size: tuple[int, int]  # decoded size (after EXIF orientation when that option is on)
-    size: tuple[int, int]  # after the resize
-    padded_size: tuple[int, int]  # multiples of 28
-    grid_thw: tuple[int, int, int]  # (1, rows, columns) of 14-px patches
-    num_tokens: int
-    prompt: str
     image: np.ndarray = field(repr=False)  # uint8 (H, W, 3) padded model input, C-contiguous, read-only
-    source_format: str = ""
-    source_mode: str = ""
     _pixel_values: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -297,67 +313,42 @@ def _resize_fast(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     return out
 
 
-def _plan(header: Header, max_tokens: int | None) -> SizePlan:
-    w, h = oriented_size(header)
-    return plan_size(w, h, max_tokens)
+def _plan(header: Header, options: ImageOptions) -> ImagePlan:
+    size = plan_size(*oriented_size(header), options.max_tokens)
+    return ImagePlan(size.orig_size, size.size, size.padded_size, header.format, header.mode)
 
 
-def count_tokens(
-    data: bytes,
-    *,
-    max_tokens: int | None = None,
-    exif_transpose: bool = False,
-    resize: ResizeMode = "exact",
-    limits: Limits | None = None,
-) -> int:
-    """The token count `preprocess_image` gives for the same bytes and options, from the header
-    alone (no pixel decode). Raises the same `ImageError`s for limits and unreadable headers."""
-    _check_options(max_tokens, resize)
-    image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
+def plan_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> ImagePlan:
+    """Sizes, grid, token count and prompt `preprocess_image` gives for the same bytes and options,
+    from the header alone (no pixel decode). Raises the same `ImageError`s for limits and
+    unreadable headers."""
+    image, header = open_header(data, limits, exif_transpose=options.exif_transpose)
     image.close()
-    return _plan(header, max_tokens).num_tokens
+    return _plan(header, options)
 
 
-def preprocess_image(
-    data: bytes,
-    *,
-    max_tokens: int | None = None,
-    exif_transpose: bool = False,
-    resize: ResizeMode = "exact",
-    limits: Limits | None = None,
-) -> Preprocessed:
-    """Encoded image bytes -> the model input. Defaults reproduce the reference bit for bit.
+def count_tokens(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The token count of `plan_image`."""
+    return plan_image(data, options, limits).num_tokens
 
-    max_tokens: strict cap on the token count (default: the reference's own budget, <= 16,817).
-    exif_transpose: apply the EXIF orientation first (the reference does not).
-    resize: "exact" (Pillow BICUBIC, the reference) or "fast" (OpenCV INTER_AREA for 8-bit
-        RGB/L/RGBA/LA images; close to but not identical with the reference).
-    limits: refused before any pixel is decoded (`ImageTooLargeError`).
-    Raises `ImageError` subclasses for bad input.
-    """
-    _check_options(max_tokens, resize)
-    image, header = open_header(data, limits or Limits(), exif_transpose=exif_transpose)
+
+def preprocess_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS,
+                     limits: Limits = DEFAULT_LIMITS) -> Preprocessed:
+    """Encoded image bytes -> the model input. The default options reproduce the reference bit for
+    bit. `limits` are checked from the header, before any pixel is decoded (`ImageTooLargeError`).
+    Raises `ImageError` subclasses for bad input."""
+    image, header = open_header(data, limits, exif_transpose=options.exif_transpose)
     try:
         decoded = decode(image, header)
-        plan = _plan(header, max_tokens)
+        plan = _plan(header, options)
         if decoded.size != plan.orig_size:
             raise ImageDecodeError(f"decoded size {decoded.size} differs from the header's {plan.orig_size}")
-        resized = (_resize_fast if resize == "fast" else _resize_exact)(decoded, plan.size)
+        resized = (_resize_fast if options.resize == "fast" else _resize_exact)(decoded, plan.size)
         try:
             padded = _to_padded_rgb(resized, plan.padded_size)
         except (ValueError, OSError) as e:  # a mode Pillow cannot convert to RGB/RGBA
             raise ImageDecodeError(f"cannot convert a {resized.mode!r} image to RGB: {e}") from None
     finally:
         image.close()
-    w, h = plan.orig_size
-    return Preprocessed(
-        orig_size=plan.orig_size,
-        size=plan.size,
-        padded_size=plan.padded_size,
-        grid_thw=plan.grid_thw,
-        num_tokens=plan.num_tokens,
-        prompt=PROMPT_TEMPLATE.format(w=w, h=h),
-        image=padded,
-        source_format=header.format,
-        source_mode=header.mode,
-    )
+    return Preprocessed(plan.orig_size, plan.size, plan.padded_size, plan.source_format, plan.source_mode,
+                        image=padded)

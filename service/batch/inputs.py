@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
+
+from service.errors import Kind, ServiceError
 
 # Suffixes (lower-cased) a directory scan picks up: what Pillow decodes and K3 takes as images.
 IMAGE_EXTENSIONS = frozenset({
@@ -29,12 +32,12 @@ class InputError(ValueError):
     """The job's input as a whole cannot be used (the message names the file and line)."""
 
 
-class ItemError(Exception):
+class ItemError(ServiceError):
     """One item's image cannot be read. `transient`: worth retrying later (I/O), or not (bad URL)."""
 
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)
-        self.transient = transient
+        self.kind = Kind.UNAVAILABLE if transient else Kind.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,16 @@ class Item:
     images: tuple[ImageRef, ...]
     messages: tuple[dict[str, Any], ...] | None = None
     max_new_tokens: int | None = None  # a JSONL row's own `max_tokens` / `max_completion_tokens`
+
+    def to_json(self) -> str:
+        """The item as one JSON text (how the Ray engine hands items to its actors)."""
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Item:
+        d = json.loads(text)
+        messages = None if d["messages"] is None else tuple(d["messages"])
+        return cls(d["custom_id"], tuple(ImageRef(**ref) for ref in d["images"]), messages, d["max_new_tokens"])
 
 
 def load_items(source: str | os.PathLike[str]) -> list[Item]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = "kimi-vision-batch/1"
+FORMAT = "kimi-vision-batch/2"  # 2: the model is named by its checkpoint fingerprint
 
 
 class ResumeRefused(Exception):

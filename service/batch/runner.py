@@ -1,12 +1,14 @@
-"""The batch job: what it computes (`JobSpec`), the row it writes per item, and the asyncio
-runner that keeps `concurrency` items in flight on a backend.
+"""The batch job: what it computes (`JobSpec`), the row it writes per item (`ItemRunner`, which
+the Ray engine's actors run too), and the asyncio runner that keeps `concurrency` items in flight
+on a backend.
 
-Failures: a permanent one (bad image, bad chat) is recorded as an `error` row and the job goes on;
-a transient one is retried a few times with backoff, then recorded with `"transient": true` (the
-next `--resume` runs it again). Too many transient failures in a row (a dead server) stop the job.
-A bug (an exception no backend classifies) also stops it: writing two million error rows for one
-bug helps nobody. Ctrl-C (or `stop()`) stops taking items, cancels those in flight (they have no
-row, so a resume runs them), writes what is buffered and fsyncs.
+Failures are classified by the service's one taxonomy (`service.errors`): a kind that is not
+retried (bad image, bad chat, too large) is recorded as an `error` row and the job goes on; a
+retried one (overloaded, unavailable, internal) is retried a few times with backoff, then recorded
+with `"transient": true` (the next `--resume` runs it again). Too many transient failures in a row
+(a dead server) stop the job. A bug (an exception with no kind) also stops it: writing two million
+error rows for one bug helps nobody. Ctrl-C (or `stop()`) stops taking items, cancels those in
+flight (they have no row, so a resume runs them), writes what is buffered and fsyncs.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.batch.backends import Backend, Caption, Embedding, Failure
-from service.batch.inputs import Item, ItemError
+from service.batch.backends import Backend, Caption, Embedding
+from service.batch.inputs import Item
 from service.batch.journal import FORMAT, Prior, RowWriter, prepare
 from service.batch.progress import Progress
+from service.batch.shards import ShardWriter
+from service.errors import BadRequest, classify
 
 TASKS = ("caption", "ocr", "embed")
 DEFAULT_PROMPTS = {
@@ -192,8 +196,6 @@ class Recorder:
 
     def __init__(self, summary: Summary, output: Path, pending: int, options: RunOptions,
                  on_abort: Callable[[], None] = lambda: None) -> None:
-        from service.batch.shards import ShardWriter
-
         self.summary = summary
         self.options = options
         self.on_abort = on_abort
@@ -235,6 +237,52 @@ class Recorder:
             self.progress.close()
 
 
+class ItemRunner:
+    """One item -> its row (and embedding): read its images, ask the backend, classify failures.
+    The local runner and the Ray engine's actors both use it, so every engine writes the same rows."""
+
+    def __init__(self, spec: JobSpec, backend: Backend, options: RunOptions,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.options = options
+        self.stopping = stopping
+
+    async def process(self, item: Item) -> tuple[dict[str, Any], Embedding | None]:
+        """Raises only for a bug (an exception with no kind in the taxonomy)."""
+        opts = self.options
+        start = time.monotonic()
+        for attempt in range(opts.retries + 1):
+            try:
+                return await self._attempt(item, start)
+            except Exception as exc:
+                failure = classify(exc)
+                if failure is None:
+                    raise
+                retry = failure.rule.retry
+                if not retry or attempt == opts.retries or self.stopping():
+                    return error_row(item.custom_id, failure.message, retry,
+                                     {"total_ms": _ms(time.monotonic() - start)}), None
+                await asyncio.sleep(opts.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, item: Item, start: float) -> tuple[dict[str, Any], Embedding | None]:
+        images = [ref.read() for ref in item.images]
+        read = time.monotonic()
+        if self.spec.task == "embed":
+            if len(images) != 1:
+                raise BadRequest(f"embed takes exactly one image per input; this one has {len(images)}")
+            embedding = await self.backend.embed(images[0])
+            done = time.monotonic()
+            timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
+            return embed_row(item.custom_id, embedding, timings), embedding
+        max_new = item.max_new_tokens or self.spec.effective_max_new_tokens
+        caption = await self.backend.caption(self.spec.chat(item), images, max_new)
+        done = time.monotonic()
+        timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
+        return caption_row(item.custom_id, caption, timings), None
+
+
 class Job:
     """One run of a batch job on one backend. `run()` returns the `Summary`."""
 
@@ -254,9 +302,8 @@ class Job:
         """Stop taking items and cancel those in flight (they run again on resume)."""
         if not self._stop.is_set():
             self._stop.set()
-            self.backend.cancel_all()
             for task in self._tasks:
-                task.cancel()
+                task.cancel()  # a generation in flight stops at its next token
 
     async def run(self) -> Summary:
         opts = self.options
@@ -264,6 +311,7 @@ class Job:
         pending = [item for item in self.items if item.custom_id not in prior.done]
         summary = Summary(self.spec.task, len(self.items), len(self.items) - len(pending), prior=prior)
         recorder = Recorder(summary, self.output, len(pending), opts, on_abort=self.stop)
+        runner = ItemRunner(self.spec, self.backend, opts, stopping=self._stop.is_set)
         queue = iter(pending)
         start = time.monotonic()
 
@@ -274,7 +322,7 @@ class Job:
                     item = next(queue, None)
                     if item is None:
                         return
-                    row, embedding = await self._process(item)
+                    row, embedding = await runner.process(item)
                     recorder.record(row, embedding)
             except Exception as exc:  # a bug: stop the whole job, not just this worker
                 if self.bug is None:
@@ -296,38 +344,6 @@ class Job:
             recorder.close()
             summary.elapsed_s = time.monotonic() - start
         return summary
-
-    async def _process(self, item: Item) -> tuple[dict[str, Any], Embedding | None]:
-        opts = self.options
-        start = time.monotonic()
-        for attempt in range(opts.retries + 1):
-            try:
-                return await self._attempt(item, start)
-            except Failure as failure:
-                if not failure.transient or attempt == opts.retries or self._stop.is_set():
-                    return error_row(item.custom_id, failure.message, failure.transient,
-                                     {"total_ms": _ms(time.monotonic() - start)}), None
-                await asyncio.sleep(opts.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
-
-    async def _attempt(self, item: Item, start: float) -> tuple[dict[str, Any], Embedding | None]:
-        try:
-            images = [ref.read() for ref in item.images]
-        except ItemError as e:
-            raise Failure(str(e), transient=e.transient) from None
-        read = time.monotonic()
-        if self.spec.task == "embed":
-            if len(images) != 1:
-                raise Failure(f"embed takes exactly one image per input; this one has {len(images)}", transient=False)
-            embedding = await self.backend.embed(images[0])
-            done = time.monotonic()
-            timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
-            return embed_row(item.custom_id, embedding, timings), embedding
-        max_new = item.max_new_tokens or self.spec.effective_max_new_tokens
-        caption = await self.backend.caption(self.spec.chat(item), images, max_new)
-        done = time.monotonic()
-        timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
-        return caption_row(item.custom_id, caption, timings), None
 
 
 def _install_sigint(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> bool:

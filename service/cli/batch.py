@@ -1,0 +1,163 @@
+"""`kimi-vision batch --task caption|ocr|embed --input DIR|FILE.jsonl|LIST --output OUT.jsonl`
+
+Runs every input image through the model (in this process by default, on a running server with
+`--server`, or on Ray Data with `--engine ray`) and appends one JSON line per input to OUT.jsonl:
+`custom_id`, `status` (ok/error), `text`, `tokens`, `error` (with `transient`), `timings` (ms;
+the keys depend on the engine); `embed` also writes
+safetensors shards to `OUT.jsonl.embeddings/` and records the shard file and tensor key. The
+options that change results are kept in `OUT.jsonl.job.json`; `--resume` continues a stopped or
+killed job (each input ends up exactly once) and refuses if those options changed.
+
+Exit status: 0 done; 1 could not run or stopped on an error; 2 bad arguments or input;
+75 done but some inputs failed transiently (rerun with --resume); 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from service.cli.common import add_model_arguments, checkpoint_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 done (per-input errors are rows in the output); 1 could not run or stopped on "
+                     "an error; 2 bad arguments or input; 75 done but some inputs failed transiently (rerun with "
+                     "--resume); 130 interrupted (Ctrl-C; rerun with --resume)")
+    parser.add_argument("--task", required=True, choices=("caption", "ocr", "embed"), help="what to compute")
+    parser.add_argument("--input", required=True, metavar="DIR|FILE.jsonl|LIST",
+                        help="a directory (recursive, by image extension), an OpenAI-batch JSONL "
+                             "(custom_id, body.messages) or a text file of image paths")
+    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="result rows (appended)")
+    parser.add_argument("--server", metavar="HOST:PORT", help="use a running kimi-vision server")
+    add_model_arguments(parser)
+    parser.add_argument("--concurrency", type=int, metavar="N",
+                        help="inputs in flight (default: 2 per encoder worker; 8 with --server; "
+                             "with --engine ray: encoder actors when there is no GPU)")
+    parser.add_argument("--max-new-tokens", type=int, metavar="N",
+                        help="caption/ocr length limit (default 64 caption, 512 ocr)")
+    parser.add_argument("--prompt", metavar="TEXT", help="replace the task's default prompt")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue OUT.jsonl: skip finished inputs, retry transient failures")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local", help="local (default) or ray")
+    parser.add_argument("--ray-address", metavar="ADDR",
+                        help="with --engine ray: an existing cluster (default: start Ray locally)")
+    parser.add_argument("--log-every", type=float, default=10.0, metavar="S",
+                        help="seconds between progress lines when stderr is not a terminal (default 10)")
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    if args.concurrency is not None and args.concurrency < 1:
+        return f"--concurrency must be >= 1, got {args.concurrency}"
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if args.server and args.engine == "ray":
+        return "--server and --engine ray exclude each other (Ray runs the model in its own actors)"
+    if args.server and (args.checkpoint or args.devices != "auto"):
+        return "--checkpoint and --devices do not apply with --server (the server has its own)"
+    if args.engine == "ray" and args.devices != "auto":
+        return "--devices does not apply with --engine ray (one model actor per GPU, or --concurrency CPU actors)"
+    if args.ray_address and args.engine != "ray":
+        return "--ray-address needs --engine ray"
+    if args.task == "embed" and (args.prompt is not None or args.max_new_tokens is not None):
+        return "--prompt and --max-new-tokens do not apply to --task embed"
+    if args.log_every <= 0:
+        return f"--log-every must be > 0, got {args.log_every}"
+    return None
+
+
+def _err(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _problem(args)
+    if problem:
+        _err(problem)
+        return 2
+
+    from service.batch.inputs import InputError, load_items
+    from service.batch.journal import ResumeRefused
+    from service.batch.runner import JobSpec, RunOptions
+
+    try:
+        items = load_items(args.input)
+    except InputError as e:
+        _err(str(e))
+        return 2
+    spec = JobSpec(args.task, args.prompt, args.max_new_tokens)
+    output = Path(args.output)
+    options = RunOptions(log_every_s=args.log_every)
+    try:
+        if args.engine == "ray":
+            from service.batch.ray_engine import run_ray_job
+
+            summary = run_ray_job(spec, items, output, resume=args.resume, checkpoint=checkpoint_dir(args.checkpoint),
+                                  concurrency=args.concurrency, address=args.ray_address, options=options)
+        else:
+            summary = asyncio.run(_run_local(args, spec, items, output, options))
+    except ResumeRefused as e:
+        _err(str(e))
+        return 1
+    except _CannotRun as e:
+        _err(str(e))
+        return 1
+    print(summary.line(output), flush=True)
+    note = _random_weights_note(args, summary)
+    if note:
+        print(note, flush=True)
+    return summary.exit_code
+
+
+class _CannotRun(Exception):
+    pass
+
+
+async def _run_local(args: argparse.Namespace, spec, items, output, options):
+    from service.batch.backends import EngineBackend, ServerBackend
+    from service.batch.journal import check
+    from service.batch.runner import Job
+    from service.engine.identity import checkpoint_fingerprint
+    from service.errors import ServiceError
+    from vision.checkpoint import CheckpointError
+
+    if args.server:
+        try:
+            backend = await ServerBackend.connect(args.server)
+        except ServiceError as e:
+            raise _CannotRun(str(e)) from None
+        options.concurrency = args.concurrency or 8
+    else:
+        checkpoint = checkpoint_dir(args.checkpoint)
+        if not checkpoint.is_dir():
+            raise _CannotRun(f"--checkpoint {checkpoint}: not a directory")
+        # Refuse a mismatched resume before spending minutes loading the model.
+        check(output, spec.fingerprint(checkpoint_fingerprint(checkpoint)), resume=args.resume)
+        try:
+            backend = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: EngineBackend.load(checkpoint, args.devices, trunk=spec.task != "embed"))
+        except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
+            raise _CannotRun(f"cannot load the model from {checkpoint}: {e}") from None
+        options.concurrency = args.concurrency or 2 * len(backend.engine.devices)
+    print(f"batch {spec.task}: {len(items)} inputs on {backend.description}", file=sys.stderr, flush=True)
+    try:
+        job = Job(spec, items, output, backend, resume=args.resume, options=options)
+        summary = await job.run()
+    finally:
+        await backend.close()
+    if job.bug is not None:
+        _err(summary.aborted or "internal error")
+    return summary
+
+
+def _random_weights_note(args: argparse.Namespace, summary) -> str | None:
+    """Say so when the text came from the embedded default's random weights."""
+    if summary.task == "embed" or args.checkpoint:
+        return None
+    if args.server:
+        return ("note: if the server runs the embedded default checkpoint, its weights are random and the "
+                "captions/OCR text are gibberish (expected)")
+    return ("note: the embedded default checkpoint has random weights, so the captions/OCR text are gibberish "
+            "(expected); pass --checkpoint for a real model")

@@ -1,0 +1,23 @@
+"""What several commands share: the model flags, and resolving the checkpoint (the only place the
+embedded default is chosen)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, devices: bool = True) -> None:
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny model)")
+    if devices:
+        parser.add_argument("--devices", default="auto", metavar="SPEC",
+                            help="encoder workers: auto (default), cpu:N or cuda:0,1,...")
+
+
+def checkpoint_dir(given: str | None) -> Path:
+    """`--checkpoint`, or the embedded default (built on first use: a tiny random checkpoint)."""
+    if given is not None:
+        return Path(given)
+    from service.checkpoints.default import default_checkpoint_dir
+
+    return default_checkpoint_dir()

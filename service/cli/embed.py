@@ -1,0 +1,124 @@
+"""`kimi-vision embed [--checkpoint DIR] [--workers N | --devices SPEC] [--format F] --out OUT FILE...`
+
+Encodes each image through the engine (exact preprocessing, the tower and projector; the trunk
+is never loaded) and writes one tensor per input, `[num_tokens, text hidden size]`, keyed by the
+file name as given (a repeated name gets `#2`, `#3`, ...). The safetensors metadata entry
+`kimi_vision` holds, per key, the grid, token count and prompt text. A file that fails is reported
+and skipped; the exit status is then 2.
+
+`--format vllm-ec` writes instead, for encoder disaggregation, `OUT/<hash>/encoder_cache.safetensors`
+with one tensor `ec_cache` per image (the layout vLLM's shared-storage encoder-cache connector
+reads); `<hash>` is the engine's content hash (bytes + preprocessing options + checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from service.cli.common import add_model_arguments, checkpoint_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="image files")
+    parser.add_argument("--out", required=True, metavar="OUT",
+                        help="output .safetensors file, or directory with --format vllm-ec")
+    parser.add_argument("--format", choices=("safetensors", "vllm-ec"), default="safetensors",
+                        help="safetensors (default): one file, a tensor per input; "
+                        "vllm-ec: OUT/<hash>/encoder_cache.safetensors per image")
+    add_model_arguments(parser, devices=False)
+    parser.add_argument("--workers", type=int, metavar="N", help="number of CPU encoder workers")
+    parser.add_argument("--devices", metavar="SPEC", help="auto (default), cpu:N or cuda:0,1,...")
+
+
+def _unique_key(name: str, used: set[str]) -> str:
+    key, n = name, 1
+    while key in used:
+        n += 1
+        key = f"{name}#{n}"
+    used.add(key)
+    return key
+
+
+async def _embed_files(engine, names: list[str]) -> list[tuple[str, object]]:
+    """(name, ImageEmbedding or the failure message) per file, in order; a few files in flight."""
+    import asyncio
+
+    from service.engine import ImageInput
+    from service.errors import classify
+
+    slots = asyncio.Semaphore(2 * len(engine.devices))
+
+    async def one(name: str) -> tuple[str, object]:
+        async with slots:
+            try:
+                with open(name, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                return name, e.strerror or str(e)
+            try:
+                (emb,) = await engine.embed([ImageInput(data)])
+            except Exception as exc:  # noqa: BLE001 - a classified failure is that file's; a bug propagates
+                failure = classify(exc)
+                if failure is None:
+                    raise
+                return name, failure.message
+            return name, emb
+
+    return list(await asyncio.gather(*(one(name) for name in names)))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.workers is not None and args.devices not in (None, "auto"):
+        print("error: give either --workers (CPU) or --devices, not both", file=sys.stderr)
+        return 2
+
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    from service.engine import Engine, EngineConfig
+    from service.engine.vllm_ec import write_ec
+    from service.errors import ServiceError
+    from vision.checkpoint import CheckpointError
+
+    devices = f"cpu:{args.workers}" if args.workers is not None else (args.devices or "auto")
+    start = time.perf_counter()
+    try:
+        engine = Engine.load(EngineConfig(checkpoint=checkpoint_dir(args.checkpoint), devices=devices,
+                                          components="vision", cache_bytes=0))
+    except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = asyncio.run(_embed_files(engine, args.files))
+    finally:
+        engine.close()
+    status = 0
+    tensors, meta, used, hashes = {}, {}, set(), {}
+    for name, result in results:
+        if isinstance(result, str):
+            print(f"error: {name}: {result}", file=sys.stderr)
+            status = 2
+            continue
+        key = _unique_key(name, used)
+        tensors[key] = result.rows.contiguous()
+        hashes[key] = result.content_hash
+        meta[key] = {"grid_thw": list(result.grid_thw), "tokens": result.num_tokens, "prompt": result.prompt}
+        print(f"{key}: {result.num_tokens} tokens -> {list(result.rows.shape)} "
+              f"{str(result.rows.dtype).removeprefix('torch.')}")
+    if not tensors:
+        print("error: no image could be encoded; nothing written", file=sys.stderr)
+        return 2
+    if args.format == "vllm-ec":
+        for key, rows in tensors.items():
+            print(f"{key}: {write_ec(args.out, hashes[key], rows)}")
+    else:
+        save_file(tensors, args.out, metadata={"kimi_vision": json.dumps(meta, sort_keys=True)})
+    print(f"wrote {len(tensors)} embeddings to {args.out} in {time.perf_counter() - start:.2f} s")
+    return status

@@ -1,0 +1,103 @@
+"""`kimi-vision serve`: run the gRPC service until SIGTERM (which drains) or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from service.cli.common import add_model_arguments, checkpoint_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free port)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    parser.add_argument("--max-concurrency", type=int, default=4, metavar="N", help="requests working at once")
+    parser.add_argument("--max-queue", type=int, default=32, metavar="N",
+                        help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
+    parser.add_argument("--max-message-mb", type=int, default=64, metavar="MB",
+                        help="largest request message, all its images together (default 64)")
+    parser.add_argument("--max-image-mb", type=int, default=32, metavar="MB",
+                        help="largest encoded image (default 32)")
+    parser.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (default 16)")
+    parser.add_argument("--cache-mb", type=int, default=1024, metavar="MB",
+                        help="embedding cache budget (default 1024; 0 disables)")
+    parser.add_argument("--ec-export-dir", metavar="DIR",
+                        help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="require 'authorization: Bearer TOKEN' on every RPC except health (default: "
+                             "$KIMI_VISION_AUTH_TOKEN; prefer the variable, flags show in the process list)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="the TLS private key (needs --tls-cert)")
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    for name in ("max_concurrency", "max_message_mb", "max_image_mb", "max_images"):
+        value = getattr(args, name)
+        if value < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    if args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535:
+        return "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
+    return None
+
+
+def _security(args: argparse.Namespace) -> tuple[tuple, object | None]:
+    """(interceptors, TLS server credentials or None) from the flags; ValueError names a problem."""
+    from service.rpc.access_log import RequestLogInterceptor
+    from service.rpc.auth import BearerTokenInterceptor, resolve_token
+    from service.rpc.proto_guard import MalformedRequestInterceptor
+    from service.rpc.tls import server_credentials, tls_paths
+
+    token = resolve_token(args.auth_token)
+    paths = tls_paths(args.tls_cert, args.tls_key)
+    credentials = server_credentials(*paths) if paths else None
+    # In order: the access log (so refused calls are logged too), the token check (before any
+    # request byte is parsed), then the parse itself (corrupt protobuf -> INVALID_ARGUMENT).
+    auth = (BearerTokenInterceptor(token),) if token else ()
+    interceptors = (RequestLogInterceptor(), *auth, MalformedRequestInterceptor())
+    return interceptors, credentials
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        interceptors, credentials = _security(args)
+    except ValueError as exc:  # AuthConfigError, TLSConfigError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import asyncio
+
+    from service.engine import EngineConfig
+    from service.logs import ServerLog
+    from service.rpc.server import ServerConfig, serve
+    from vision import Limits
+
+    config = ServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=args.max_message_mb << 20,
+        max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
+        credentials=credentials, interceptors=interceptors,
+    )
+    engine_config = EngineConfig(
+        checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices,
+        limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
+        cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir,
+    )
+
+    def announce(server) -> None:
+        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING)", flush=True)
+
+    server_log = ServerLog()  # written off the event loop: a stuck log reader never stalls requests
+    try:
+        return asyncio.run(serve(config, engine_config, on_ready=announce))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        server_log.close()

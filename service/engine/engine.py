@@ -1,0 +1,509 @@
+"""The engine: the one road from image bytes (and chats holding them) to embedding rows, token
+counts, prompts, encodings and generations. Transport-free and async-first: the gRPC server, every
+batch engine and `kimi-vision embed` call it; none of them touches the pool, the tower or the trunk.
+
+Every image takes the same path (`embed`): its header is read here (`vision.plan_image`: sizes,
+token count, prompt, limits), its embedding looked up in the cache by content hash, and on a miss
+its encoded bytes go to one encoder worker, which decodes, preprocesses and encodes it.
+
+Where work runs: header reads, hashing and Preprocess's pixels on `cpu_executor` threads (Pillow
+and numpy release the GIL); decoding and the tower in the pool's worker processes; everything that
+touches the trunk on the single `trunk_executor` thread, so requests take turns on it instead of
+oversubscribing the cores. The event loop only moves bytes and futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from service.engine.allocator import keep_freed_memory
+from service.engine.cache import EmbedCache
+from service.engine.identity import checkpoint_fingerprint, content_hash
+from service.engine.pool import EncodeError, EncoderPool
+from service.engine.vllm_ec import write_ec
+from service.errors import BadRequest, NotConfigured, TooLarge
+from service.metrics import Metrics
+from textcore.chat import ChatError, render
+from textcore.generate import SamplingParams
+from textcore.generate import generate as run_generation
+from textcore.model import KimiLinearForCausalLM
+from textcore.parser import Event, StreamParser
+from textcore.splice import Expanded, Span, expand_media_pads, position_ids, prompt_ids, splice_rows
+from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
+from vision.checkpoint import Checkpoint
+from vision.decode import DEFAULT_LIMITS, Limits
+from vision.errors import ImageError
+from vision.options import DEFAULT_OPTIONS, ImageOptions
+from vision.preprocess import ImagePlan, Preprocessed, plan_image, preprocess_image
+
+log = logging.getLogger(__name__)
+
+# Chat-template keyword arguments a request may set.
+CHAT_KWARGS = ("add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort", "thinking_effort",
+               "tool_choice", "response_format", "response_schema")
+Components = Literal["all", "vision"]
+COMPONENTS = ("all", "vision")
+
+
+# ---------------------------------------------------------------------------------------------
+# What goes in and comes out
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    data: bytes
+    options: ImageOptions = DEFAULT_OPTIONS
+    where: str = ""  # where a chat holds it ("messages[0].content[1]"), prefixed to its errors
+
+
+@dataclass
+class ChatInput:
+    """A chat in the template's form: each image part is `{"type": "image"}`, and `images` holds
+    those images in the order the template meets them (each labelled with its place)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    images: list[ImageInput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.kwargs) - set(CHAT_KWARGS))
+        if unknown:
+            raise ChatError(f"unknown chat options {unknown}; allowed: {sorted(CHAT_KWARGS)}")
+        places = [f"messages[{i}].content[{k}]" for i, m in enumerate(self.messages)
+                  if isinstance(m.get("content"), list)
+                  for k, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image"]
+        if len(places) != len(self.images):
+            raise ChatError(f"the chat has {len(places)} image parts but {len(self.images)} images were given")
+        self.images = [image if image.where else dataclasses.replace(image, where=place)
+                       for image, place in zip(self.images, places, strict=True)]
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's projector output and what the prompt needs to know about it."""
+
+    content_hash: str
+    rows: torch.Tensor  # [num_tokens, hidden], CPU
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    prompt: str
+    cached: bool = False
+
+
+class ChatTokens(NamedTuple):
+    total: int  # after expansion
+    image_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A chat ready for another engine to prefill: the prompt with each media_pad expanded to its
+    image's token count, the re-laid position ids, where each image sits, and its rows."""
+
+    input_ids: list[int]
+    position_ids: list[int]
+    spans: list[Span]
+    embeddings: list[ImageEmbedding]
+    ec_paths: list[Path]  # the vLLM encoder-cache file of each image, when exported (else empty)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The last item `Engine.generate` yields."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int  # after expansion
+    image_tokens: int
+    completion_tokens: int
+
+
+class TrunkInput(NamedTuple):
+    """What the trunk prefills for a chat: the expanded prompt and its input rows."""
+
+    expanded: Expanded  # ids with each media_pad expanded, and each image's span
+    embeds: torch.Tensor  # [T, hidden]: token embeddings with each image span replaced by its rows
+    thinking: bool  # the generation prompt opens a think element (the parser starts inside it)
+
+
+class _Stopped(Exception):
+    """Raised on the trunk thread when the caller of a generation has gone away."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    checkpoint: str | os.PathLike[str]  # resolved by the caller (the CLI resolves the embedded default)
+    devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
+    threads_per_worker: int | None = None  # torch/OpenCV threads per encoder worker (None: cores / workers)
+    components: Components = "all"  # "vision": tokenizer, tower and projector only; no trunk is loaded
+    limits: Limits = DEFAULT_LIMITS  # per image
+    max_images: int = 16  # per request
+    max_request_pixels: int = 200_000_000  # decoded pixels of all of a request's images together
+    cache_bytes: int = 1 << 30
+    ec_export_dir: str | os.PathLike[str] | None = None  # where vLLM encoder-cache files may be written
+    cpu_threads: int = max(2, os.cpu_count() or 2)
+    # Free memory each malloc arena keeps for the next image (service.engine.allocator); 0 leaves
+    # the process's allocator as it is.
+    keep_freed_bytes: int = 256 << 20
+    default_max_new_tokens: int = 512
+    max_new_tokens_limit: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.components not in COMPONENTS:
+            raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
+        for name in ("max_images", "max_request_pixels", "cpu_threads", "default_max_new_tokens",
+                     "max_new_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """Bool [vocab_size]: ids the tokenizer can turn into text (its base ranks and the specials).
+
+    The tiny default keeps the release's 163,840-row head but its vocabulary has only a few hundred
+    base tokens; its random head would otherwise sample ids that have no text. With the release
+    tokenizer every id decodes and the mask is all true."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[:tokenizer.num_base_tokens] = True
+    mask[NUM_BASE_TOKENS:tokenizer.vocab_size] = True
+    return mask
+
+
+@contextlib.contextmanager
+def _named(image: ImageInput) -> Iterator[None]:
+    """Prefix an image error with where the image sits in the request (same error class)."""
+    try:
+        yield
+    except ImageError as exc:
+        if not image.where:
+            raise
+        raise type(exc)(f"{image.where}: {exc}") from None
+
+
+def _probe_png() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 128, dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, pool: EncoderPool,
+                 model: KimiLinearForCausalLM | None = None, metrics: Metrics | None = None) -> None:
+        if (model is None) != (config.components == "vision"):
+            trunk = "missing" if model is None else "given"
+            raise ValueError(f"components={config.components!r} but the trunk is {trunk}")
+        self.config = config
+        self.checkpoint_dir = Path(config.checkpoint)
+        self.fingerprint = checkpoint_fingerprint(self.checkpoint_dir)  # the model's one identity
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.model = model
+        self._allowed_ids = None
+        if model is not None:
+            decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
+            self._allowed_ids = None if bool(decodable.all()) else decodable
+        self.cache = EmbedCache(config.cache_bytes)
+        self.metrics = metrics or Metrics()
+        self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
+        self.trunk_executor = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-trunk")
+
+    @classmethod
+    def load(cls, config: EngineConfig, metrics: Metrics | None = None) -> Engine:
+        """Load the tokenizer, the encoder pool and (unless `components="vision"`) the trunk.
+        Blocking; minutes for the real model."""
+        if config.keep_freed_bytes and not keep_freed_memory(config.keep_freed_bytes):
+            log.warning("not glibc: freed image buffers go back to the kernel (each large decode pays its page "
+                        "faults again)")
+        directory = Path(config.checkpoint)
+        Checkpoint(directory).close()  # a missing or broken checkpoint is named before anything starts
+        tokenizer = Tokenizer.from_pretrained(directory)
+        pool = EncoderPool(directory, config.devices, limits=config.limits,
+                           threads_per_worker=config.threads_per_worker)
+        model = None
+        try:
+            if config.components == "all":
+                # The trunk shares the first GPU with encoder worker 0 when there is one; on CPU it
+                # runs in float32 (bf16 matmuls are slow and inexact there), like the tower.
+                first = pool.devices[0]
+                device, dtype = (first, torch.bfloat16) if first.startswith("cuda") else ("cpu", torch.float32)
+                model = KimiLinearForCausalLM.from_checkpoint(directory, dtype=dtype, device=device)
+        except BaseException:
+            pool.close()
+            raise
+        return cls(config, tokenizer, pool, model, metrics)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.cpu_executor.shutdown(wait=False, cancel_futures=True)
+        self.trunk_executor.shutdown(wait=False, cancel_futures=True)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One small image through preprocessing, every encoder worker and the trunk, so the first
+        real request pays no first-call costs (and a broken setup fails before it serves). Blocking."""
+        probe = ImageInput(_probe_png())
+        plan = self._preprocess(probe)
+        futures = [self.pool.submit(probe.data, probe.options, plan.num_patches) for _ in self.pool.devices]
+        rows = [future.result() for future in futures][0]
+        if self.model is not None:
+            ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
+            embeds = torch.cat([self.model.embed_tokens(ids), rows.to(self.model.device, self.model.dtype)])
+            self.model(inputs_embeds=embeds[None], last_only=True)
+
+    # -- what callers read ----------------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[str]:
+        """One entry per encoder worker."""
+        return list(self.pool.devices)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the embedding rows (the trunk's hidden size)."""
+        return int(self.pool.config.text_hidden_size)
+
+    @property
+    def media_pad_id(self) -> int:
+        return MEDIA_PAD_ID
+
+    @property
+    def serving(self) -> bool:
+        """True while at least one encoder worker is ready."""
+        return bool(self.pool.health()["serving"])
+
+    def health(self) -> dict[str, Any]:
+        """Per-worker state (for health checks and metrics)."""
+        return self.pool.health()
+
+    def run_cpu(self, fn: Callable, *args: Any) -> asyncio.Future:
+        """Run blocking CPU work (tensor conversions, serialisation) on the engine's CPU threads."""
+        return asyncio.get_running_loop().run_in_executor(self.cpu_executor, fn, *args)
+
+    # -- images -----------------------------------------------------------------------------------
+
+    async def plan(self, image: ImageInput) -> ImagePlan:
+        """Sizes, grid, token count and prompt, from the header alone (limits checked)."""
+        return await self.run_cpu(self._plan, image)
+
+    async def preprocess(self, image: ImageInput) -> Preprocessed:
+        """The exact model input (the padded uint8 image; its float patches on first use)."""
+        pre = await self.run_cpu(self._preprocess, image)
+        self.metrics.tokens.labels(kind="image").inc(pre.num_tokens)
+        return pre
+
+    async def embed(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
+        """Embeddings of `images`, in order: the one function that turns image bytes into rows.
+
+        Every image's header is read first (limits, the request's caps). Cache hits are served as
+        they are; each distinct missing image is queued on the pool as soon as it is hashed, so the
+        images spread over the workers. If the call is cancelled (an RPC's deadline or cancellation)
+        or one image fails, the images still waiting in the pool are withdrawn (not encoded); one a
+        worker has already started runs to the end."""
+        if not images:
+            return []
+        prepared = await self.run_cpu(self._prepare, images)
+        found: dict[str, ImageEmbedding] = {}
+        missing: dict[str, tuple[ImageInput, ImagePlan]] = {}
+        for image, (plan, key) in zip(images, prepared, strict=True):
+            if key in found or key in missing:
+                continue
+            hit = self.cache.get(key)
+            self.metrics.cache_lookups.labels(result="hit" if hit else "miss").inc()
+            if hit is None:
+                missing[key] = (image, plan)
+            else:
+                found[key] = dataclasses.replace(hit, cached=True)
+        if missing:
+            queued: list[concurrent.futures.Future] = []
+            abandoned = threading.Event()
+            try:
+                futures = await asyncio.gather(*(self.run_cpu(self._submit, image, plan, queued, abandoned)
+                                                 for image, plan in missing.values()))
+                rows = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+            except BaseException:  # the caller will not use the other images: stop their work
+                abandoned.set()
+                for future in queued:
+                    future.cancel()
+                raise
+            for (key, (image, plan)), r in zip(missing.items(), rows, strict=True):
+                if r.shape[0] != plan.num_tokens:
+                    raise EncodeError(f"{image.where or 'image'}: the encoder gave {r.shape[0]} rows for "
+                                      f"{plan.num_tokens} tokens")
+                found[key] = ImageEmbedding(key, r, plan.grid_thw, plan.num_tokens, plan.prompt)
+                self.cache.put(key, found[key])
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+        out = [found[key] for _, key in prepared]
+        self.metrics.tokens.labels(kind="image").inc(sum(e.num_tokens for e in out))
+        return out
+
+    # -- chats --------------------------------------------------------------------------------------
+
+    async def count_chat_tokens(self, chat: ChatInput) -> ChatTokens:
+        """Prompt length after expansion, from image headers only (no pixels decoded)."""
+        return await self.run_cpu(self._count_chat_tokens, chat)
+
+    async def encode(self, chat: ChatInput, *, export_dtype: torch.dtype | None = None) -> Encoding:
+        """The expanded prompt and the image rows: what another engine needs to prefill. With
+        `export_dtype` each image's rows (cast to it: the consumer's activation dtype, usually
+        bf16) are also written under `ec_export_dir` in the layout of vLLM's shared-storage
+        encoder-cache connector, before this returns."""
+        directory = self.config.ec_export_dir
+        if export_dtype is not None and directory is None:
+            raise NotConfigured("exporting vLLM encoder-cache files needs the server to run with --ec-export-dir")
+        embeddings = await self.embed(chat.images)
+        ids = await self.run_cpu(self._prompt, chat, [e.prompt for e in embeddings])
+        expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
+        positions = position_ids(torch.ones(len(expanded.input_ids), dtype=torch.long)).tolist()
+        ec_paths: list[Path] = []
+        if export_dtype is not None:
+            ec_paths = await self.run_cpu(lambda: [write_ec(directory, e.content_hash, e.rows.to(export_dtype))
+                                                   for e in embeddings])
+        self.metrics.tokens.labels(kind="prompt").inc(len(expanded.input_ids))
+        return Encoding(expanded.input_ids, positions, expanded.spans, embeddings, ec_paths)
+
+    def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None) -> SamplingParams:
+        """Checked sampling parameters (`max_new_tokens` None: this engine's default)."""
+        max_new = max_new_tokens or self.config.default_max_new_tokens
+        if max_new > self.config.max_new_tokens_limit:
+            limit = self.config.max_new_tokens_limit
+            raise BadRequest(f"max_new_tokens {max_new} is above this server's limit {limit}")
+        if not temperature >= 0 or not 0 <= top_p <= 1 or top_k < 0:
+            raise BadRequest("sampling needs temperature >= 0, 0 <= top_p <= 1 and top_k >= 0 "
+                             f"(got {temperature}, {top_p}, {top_k})")
+        return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+    async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Event | GenerationResult]:
+        """Prefill the spliced prompt and decode: yields each parser event as it happens (reasoning
+        and content deltas, tool calls, protocol errors), then one `GenerationResult`. Leaving early
+        (the caller stops iterating or is cancelled) stops the trunk at its next token."""
+        if self.model is None:
+            raise NotConfigured("this server runs the vision components only (components=vision): generation "
+                                "needs the trunk; serve with --components all")
+        if chat.kwargs.get("add_generation_prompt") is False:
+            raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
+        embeddings = await self.embed(chat.images)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        done = object()
+
+        def emit(event: Event) -> None:  # on the trunk thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def finished(job: asyncio.Future) -> None:
+            events.put_nowait(done)
+            if not job.cancelled():
+                job.exception()  # retrieved here too: a caller that left early never awaits it
+
+        job = loop.run_in_executor(self.trunk_executor, self._generate, chat, embeddings, params, emit, cancelled)
+        job.add_done_callback(finished)
+        try:
+            while (event := await events.get()) is not done:
+                yield event
+            result = await job
+        finally:
+            cancelled.set()  # the trunk thread stops at its next token if we are leaving early
+        self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
+        self.metrics.tokens.labels(kind="generated").inc(result.completion_tokens)
+        yield result
+
+    # -- blocking parts (executor threads) ----------------------------------------------------------
+
+    def _plan(self, image: ImageInput) -> ImagePlan:
+        with _named(image):
+            return plan_image(image.data, image.options, self.config.limits)
+
+    def _preprocess(self, image: ImageInput) -> Preprocessed:
+        with _named(image):
+            return preprocess_image(image.data, image.options, self.config.limits)
+
+    def _plans(self, images: Sequence[ImageInput]) -> list[ImagePlan]:
+        """Every image's plan, with the request's caps: the image count, then all pixels together."""
+        cfg = self.config
+        if len(images) > cfg.max_images:
+            raise TooLarge(f"too many images: {len(images)}; this server takes at most {cfg.max_images} per request")
+        plans = [self._plan(image) for image in images]
+        total = sum(w * h for w, h in (plan.orig_size for plan in plans))
+        if total > cfg.max_request_pixels:
+            raise TooLarge(f"the request's images hold {total} pixels; the limit is {cfg.max_request_pixels}")
+        return plans
+
+    def _prepare(self, images: Sequence[ImageInput]) -> list[tuple[ImagePlan, str]]:
+        plans = self._plans(images)
+        return [(plan, content_hash(image.data, image.options, self.fingerprint))
+                for image, plan in zip(images, plans, strict=True)]
+
+    def _submit(self, image: ImageInput, plan: ImagePlan, queued: list[concurrent.futures.Future],
+                abandoned: threading.Event) -> concurrent.futures.Future:
+        """Queue on the pool (off the event loop: a large image's bytes are copied into shared
+        memory). The pool future joins `queued`; if the caller gave up meanwhile (`abandoned`), it
+        is cancelled at once."""
+        future = self.pool.submit(image.data, image.options, plan.num_patches)
+        queued.append(future)  # before the check: a caller giving up now finds it in `queued`
+        if abandoned.is_set():
+            future.cancel()
+        return future
+
+    def _prompt(self, chat: ChatInput, image_prompts: Sequence[str]) -> list[int]:
+        return prompt_ids(self.tokenizer, chat.messages, chat.tools, image_prompts, **chat.kwargs)
+
+    def _count_chat_tokens(self, chat: ChatInput) -> ChatTokens:
+        plans = self._plans(chat.images)
+        ids = self._prompt(chat, [plan.prompt for plan in plans])
+        counts = [plan.num_tokens for plan in plans]
+        return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)
+
+    @torch.inference_mode()
+    def trunk_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> TrunkInput:
+        """The trunk's input for `chat` with its images' embeddings (blocking; needs the trunk)."""
+        model = self.model
+        segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
+        # The generation prompt ends `<|open|>think<|sep|>` or `<|open|>response<|sep|>`.
+        thinking = len(segments) >= 2 and segments[-2].text == "think"
+        ids = self.tokenizer.encode_segments(segments)
+        expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
+        text = model.embed_tokens(torch.tensor(expanded.input_ids, dtype=torch.long, device=model.device))
+        return TrunkInput(expanded, splice_rows(text, expanded.spans, [e.rows for e in embeddings]), thinking)
+
+    @torch.inference_mode()
+    def _generate(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding], params: SamplingParams,
+                  emit: Callable[[Event], None], cancelled: threading.Event) -> GenerationResult:
+        expanded, embeds, thinking = self.trunk_input(chat, embeddings)
+        parser = StreamParser(self.tokenizer, thinking=thinking)
+
+        def on_token(_: int, token_id: int) -> None:
+            if cancelled.is_set():
+                raise _Stopped
+            for event in parser.feed([token_id]):
+                emit(event)
+
+        if cancelled.is_set():
+            raise _Stopped
+        (result,) = run_generation(self.model, inputs_embeds=[embeds], params=params, on_token=on_token,
+                                   allowed_ids=self._allowed_ids)
+        tail = parser.feed([END_OF_MSG_ID]) if result.finish_reason == "stop" else []
+        for event in tail + parser.close():
+            emit(event)
+        return GenerationResult(result.finish_reason, len(expanded.input_ids),
+                                sum(e.num_tokens for e in embeddings), len(result.tokens))

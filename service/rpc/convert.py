@@ -1,0 +1,154 @@
+"""Protobuf <-> engine types: requests become `ImageInput`/`ChatInput`/`SamplingParams`, engine
+results become messages and raw tensor bytes. Nothing here does model work; what the wire format
+alone decides (a JSON text field, a media type, a dtype name) is checked here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.engine import ChatInput, Engine, GenerationResult, ImageInput, SamplingParams
+from service.errors import BadRequest, Unsupported
+from service.rpc._proto import vision_pb2 as pb
+from textcore import parser as p
+from vision.errors import ImageOptionsError
+from vision.options import ImageOptions
+from vision.preprocess import Preprocessed
+
+CHUNK_BYTES = 4 << 20  # embedding data chunks (the proto's bound)
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+def image_input(image: pb.Image, where: str = "") -> ImageInput:
+    """`where` locates the image in a chat (empty for the single-image RPCs)."""
+    label = where or "image"
+    mime = image.mime_type.strip().lower()
+    if mime.startswith("video/"):
+        raise Unsupported(f"{label}: video ({mime}) is not supported; Kimi-K3 takes images only")
+    if mime and not mime.startswith("image/"):
+        raise Unsupported(f"{label}: media type {mime!r} is not supported; send an image")
+    o = image.options
+    try:
+        options = ImageOptions(max_tokens=o.max_tokens or None, exif_transpose=o.exif_transpose,
+                               resize=o.resize or "exact")
+    except ImageOptionsError as exc:
+        raise BadRequest(f"{label}: options: {exc}") from None
+    return ImageInput(data=image.data, options=options, where=where)  # one read: each read copies the bytes
+
+
+def _json_field(text: str, name: str, kind: type) -> Any:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, kind):
+        raise BadRequest(f"{name} must be a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def chat_input(messages: Sequence[pb.ChatMessage], tools_json: str, thinking_effort: str,
+               chat_kwargs_json: str) -> ChatInput:
+    """The chat as the template's dicts, with each image part in order."""
+    if not messages:
+        raise BadRequest("messages is empty")
+    images: list[ImageInput] = []
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role}
+        parts: list[dict[str, Any]] = []
+        for k, part in enumerate(m.content):
+            which = part.WhichOneof("part")
+            if which == "text":
+                parts.append({"type": "text", "text": part.text})
+            elif which == "image":
+                images.append(image_input(part.image, f"messages[{i}].content[{k}]"))
+                parts.append({"type": "image"})
+            else:
+                raise BadRequest(f"messages[{i}].content[{k}] is neither text nor image")
+        d["content"] = parts
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments_json}} for c in m.tool_calls]
+        out.append(d)
+    tools = _json_field(tools_json, "tools_json", list)
+    kwargs = _json_field(chat_kwargs_json, "chat_kwargs_json", dict) or {}
+    if thinking_effort == "medium":
+        kwargs["thinking_effort"] = None  # named by the template's message, but it injects nothing
+    elif thinking_effort:
+        kwargs["thinking_effort"] = thinking_effort
+    return ChatInput(messages=out, tools=tools, kwargs=kwargs, images=images)
+
+
+def sampling(engine: Engine, request: pb.GenerateRequest) -> SamplingParams:
+    s = request.sampling
+    return engine.sampling(request.max_new_tokens or None, temperature=s.temperature, top_p=s.top_p or 1.0,
+                           top_k=s.top_k, seed=s.seed if s.HasField("seed") else None)
+
+
+def out_dtype(name: str) -> str:
+    name = name or "float32"
+    if name not in TORCH_DTYPES:
+        raise BadRequest(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {name!r}")
+    return name
+
+
+def tensor_bytes(t: torch.Tensor, dtype: str) -> bytes:
+    """Raw little-endian row-major bytes of `t` cast to `dtype` (bfloat16 as its 16-bit words)."""
+    t = t.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
+    if dtype == "bfloat16":
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def pixels_tensor(pre: Preprocessed, patches: bool) -> pb.Tensor:
+    """The model input as a Tensor: float32 patches [N, 3, 14, 14] (built here, on first use) or the
+    padded uint8 image [H, W, 3]."""
+    array: np.ndarray
+    array, dtype = (pre.pixel_values, "float32") if patches else (pre.image, "uint8")
+    little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=little_endian.tobytes())
+
+
+def chunks(data: bytes) -> list[memoryview]:
+    view = memoryview(data)
+    return [view[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+
+
+def event(item: p.Event | GenerationResult) -> pb.GenerateEvent | None:
+    """An item of `Engine.generate` as a GenerateEvent (None for events the wire does not carry)."""
+    if isinstance(item, GenerationResult):
+        return pb.GenerateEvent(finish=pb.Finish(
+            reason=_FINISH[item.finish_reason],
+            usage=pb.Usage(prompt_tokens=item.prompt_tokens, image_tokens=item.image_tokens,
+                           completion_tokens=item.completion_tokens)))
+    if isinstance(item, p.ReasoningDelta):
+        return pb.GenerateEvent(reasoning_delta=item.text)
+    if isinstance(item, p.ContentDelta):
+        return pb.GenerateEvent(content_delta=item.text)
+    if isinstance(item, p.ToolCallStart):
+        return pb.GenerateEvent(tool_call_start=pb.ToolCallStart(index=item.index, name=item.name))
+    if isinstance(item, p.ToolArgumentDelta):
+        return pb.GenerateEvent(argument_delta=pb.ToolArgumentDelta(
+            index=item.index, key=item.key or "", type=item.type, text=item.text))
+    if isinstance(item, p.ToolArgumentError):
+        return pb.GenerateEvent(argument_error=pb.ToolArgumentError(
+            index=item.index, key=item.key or "", type=item.type, message=item.message, raw=item.raw))
+    if isinstance(item, p.ToolCallEnd):
+        return pb.GenerateEvent(tool_call_end=pb.ToolCallEnd(
+            index=item.index, name=item.name, arguments_json=json.dumps(item.arguments, ensure_ascii=False)))
+    if isinstance(item, p.ProtocolError):
+        return pb.GenerateEvent(protocol_error=item.message)
+    return None  # ToolArgumentDone (carried by ToolCallEnd), Stop (carried by Finish)

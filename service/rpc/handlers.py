@@ -1,0 +1,126 @@
+"""`kimi.vision.v1.VisionService`: each RPC converts its request, calls the engine once, and
+converts the answer. Admission, the serving state and the error mapping wrap every call
+(`VisionServer.call`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import grpc
+
+from service.engine import Engine
+from service.errors import BadRequest
+from service.rpc import convert
+from service.rpc._proto import vision_pb2 as pb
+from service.rpc._proto import vision_pb2_grpc as pb_grpc
+from vision.options import DEFAULT_OPTIONS
+
+
+class Host(Protocol):
+    """What the service needs of the server that hosts it (`service.rpc.server.VisionServer`)."""
+
+    engine: Engine
+
+    def call(self, method: str, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]: ...
+
+
+class VisionService(pb_grpc.VisionServiceServicer):
+    def __init__(self, server: Host) -> None:
+        self._server = server
+
+    @property
+    def _engine(self) -> Engine:
+        return self._server.engine
+
+    async def Preprocess(self, request: pb.PreprocessRequest,
+                         context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
+        async with self._server.call("Preprocess", context):
+            engine = self._engine
+            pre = await engine.preprocess(convert.image_input(request.image))
+            reply = pb.PreprocessResponse(
+                orig_width=pre.orig_size[0], orig_height=pre.orig_size[1], width=pre.size[0], height=pre.size[1],
+                padded_width=pre.padded_size[0], padded_height=pre.padded_size[1], grid_thw=list(pre.grid_thw),
+                num_tokens=pre.num_tokens, prompt=pre.prompt,
+            )
+            if request.return_pixels:
+                patches = request.pixel_format == pb.PreprocessRequest.PIXEL_FORMAT_FLOAT32_PATCHES
+                reply.pixel_values.CopyFrom(await engine.run_cpu(convert.pixels_tensor, pre, patches))
+            return reply
+
+    async def CountTokens(self, request: pb.CountTokensRequest,
+                          context: grpc.aio.ServicerContext) -> pb.CountTokensResponse:
+        async with self._server.call("CountTokens", context):
+            engine = self._engine
+            which = request.WhichOneof("input")
+            if which == "image":
+                n = (await engine.plan(convert.image_input(request.image))).num_tokens
+                return pb.CountTokensResponse(num_tokens=n, image_tokens=[n])
+            if which == "chat":
+                c = request.chat
+                counts = await engine.count_chat_tokens(
+                    convert.chat_input(c.messages, c.tools_json, c.thinking_effort, c.chat_kwargs_json))
+                return pb.CountTokensResponse(num_tokens=counts.total, image_tokens=counts.image_tokens,
+                                              text_tokens=counts.total - sum(counts.image_tokens))
+            raise BadRequest("CountTokens needs an image or a chat")
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
+        async with self._server.call("Embed", context):
+            dtype = convert.out_dtype(request.dtype)
+            engine = self._engine
+            (emb,) = await engine.embed([convert.image_input(request.image)])
+            data = await engine.run_cpu(convert.tensor_bytes, emb.rows, dtype)
+            yield pb.EmbedChunk(header=pb.EmbedHeader(
+                num_tokens=emb.num_tokens, hidden_size=emb.rows.shape[1], dtype=dtype, shape=list(emb.rows.shape),
+                grid_thw=list(emb.grid_thw), prompt=emb.prompt, content_hash=emb.content_hash, nbytes=len(data),
+                cached=emb.cached,
+            ))
+            for piece in convert.chunks(data):
+                yield pb.EmbedChunk(data=bytes(piece))
+
+    async def Encode(self, request: pb.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EncodeChunk]:
+        async with self._server.call("Encode", context):
+            dtype = convert.out_dtype(request.dtype)
+            engine = self._engine
+            chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
+                                      request.chat_kwargs_json)
+            export = convert.TORCH_DTYPES[dtype] if request.export_vllm_ec else None
+            encoding = await engine.encode(chat, export_dtype=export)
+            rows = [e.rows for e in encoding.embeddings]
+            data = b"".join([await engine.run_cpu(convert.tensor_bytes, r, dtype) for r in rows])
+            ec_paths = [str(path) for path in encoding.ec_paths] or [""] * len(rows)
+            yield pb.EncodeChunk(header=pb.EncodeHeader(
+                input_ids=encoding.input_ids, position_ids=encoding.position_ids, hidden_size=engine.hidden_size,
+                dtype=dtype, num_rows=sum(e.num_tokens for e in encoding.embeddings), nbytes=len(data),
+                media_pad_id=engine.media_pad_id,
+                spans=[pb.ImageSpan(offset=s.offset, length=s.length, content_hash=e.content_hash,
+                                    grid_thw=list(e.grid_thw), ec_path=path)
+                       for s, e, path in zip(encoding.spans, encoding.embeddings, ec_paths, strict=True)],
+            ))
+            for piece in convert.chunks(data):
+                yield pb.EncodeChunk(data=bytes(piece))
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
+        async with self._server.call("Generate", context):
+            engine = self._engine
+            chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
+                                      request.chat_kwargs_json)
+            params = convert.sampling(engine, request)
+            # aclosing: leaving early (cancelled, deadline) closes the generation at once, which
+            # stops the trunk at its next token.
+            async with contextlib.aclosing(engine.generate(chat, params)) as items:
+                async for item in items:
+                    message = convert.event(item)
+                    if message is not None:
+                        yield message
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        async with self._server.call("GetModelInfo", context):
+            engine = self._engine
+            return pb.ModelInfo(fingerprint=engine.fingerprint, hidden_size=engine.hidden_size,
+                                components=engine.config.components, devices=engine.devices,
+                                image_options=DEFAULT_OPTIONS.key())

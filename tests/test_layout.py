@@ -1,0 +1,54 @@
+"""The house rules, read off the code's own imports: data flows one way (bytes -> vision/ ->
+textcore/ -> service/), the engine is below every face, and the faces reach the model only
+through the engine."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# What only the engine may touch: the pool and its workers, the tower, the trunk and its decoding.
+MODEL_PARTS = ("service.engine.pool", "service.engine.worker", "vision.encoder", "vision.tower", "vision.projector",
+               "textcore.model", "textcore.generate")
+# The faces that turn bytes into rows: every one must go through the engine.
+FACES = ("service/rpc", "service/batch", "service/cli/embed.py", "service/cli/serve.py", "service/cli/demo.py",
+         "service/cli/batch.py")
+
+
+def _modules(*places: str) -> list[Path]:
+    out = []
+    for place in places:
+        path = REPO_ROOT / place
+        out += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return [p for p in out if "_proto" not in p.parts]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def _offenders(places: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(REPO_ROOT)} imports {name}" for path in _modules(*places)
+            for name in sorted(_imports(path)) if name.startswith(forbidden)]
+
+
+def test_data_flows_one_way():
+    assert _offenders(("vision",), ("textcore", "service")) == []
+    assert _offenders(("textcore",), ("service",)) == []
+
+
+def test_the_engine_is_below_every_face():
+    assert _offenders(("service/engine",), ("service.rpc", "service.batch", "service.cli", "service.checkpoints")) == []
+
+
+def test_faces_reach_the_model_only_through_the_engine():
+    assert _offenders(FACES, MODEL_PARTS) == []
