@@ -32,6 +32,8 @@ from textcore.config import TextConfig
 from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
 from textcore.mla import GatedMLA, MLACache
 from textcore.moe import LatentMoE, SiTUMLP
+from textcore.mxfp4 import apply_quantization_config
+from vision.checkpoint import Checkpoint, CheckpointError
 
 MULTIMODAL_PREFIX = "language_model."
 
@@ -169,8 +171,6 @@ class KimiLinearForCausalLM(nn.Module):
         """Load from a checkpoint directory (or `vision.checkpoint.Checkpoint`): the multimodal layout
         (`text_config`, tensors under `language_model.`) or a text-only one (its config.json is the
         text config, tensors unprefixed). Built on the meta device, so weights are read once."""
-        from vision.checkpoint import Checkpoint, CheckpointError
-
         ck = src if isinstance(src, Checkpoint) else Checkpoint(src)
         multimodal = "text_config" in ck.config
         text = ck.config["text_config"] if multimodal else ck.config
@@ -202,8 +202,6 @@ def _apply_quantization(model: nn.Module, quant: dict, prefix: str, ck) -> None:
     stores unpacked (`X.weight` without `X.weight_packed`): the checkpoint's tensors are the truth
     (the published one packs only the routed experts although the regexes also reach e.g. the
     latent projections). Anything packed but not targeted fails the strict load with its name."""
-    from textcore.mxfp4 import apply_quantization_config
-
     present = set(ck.names(prefix))
     unpacked = [
         prefix + name for name, m in model.named_modules()

@@ -14,6 +14,7 @@ from torch import nn
 
 from textcore.config import TextConfig
 from textcore.model import MULTIMODAL_PREFIX, DecoderLayer, KimiLinearForCausalLM
+from textcore.mxfp4 import K3_QUANTIZATION_CONFIG, quantized_modules
 
 MXFP4_BITS_PER_WEIGHT = 4.25  # 4-bit code + one 8-bit E8M0 scale per 32 weights
 CHECKPOINT_DTYPE = torch.bfloat16  # everything that is not packed (fp32 tensors stay fp32)
@@ -25,8 +26,6 @@ def _layer_kind(cfg: TextConfig, i: int) -> tuple[bool, bool]:
 
 def _count(module: nn.Module, prefix: str, quant_config: dict) -> dict[str, int]:
     """Counts of one module whose parameters live under checkpoint prefix `prefix`."""
-    from textcore.mxfp4 import quantized_modules
-
     params = dict(module.named_parameters())
     linear = {prefix + n for n, m in module.named_modules() if isinstance(m, nn.Linear)}
     names = [prefix + n for n in params]
@@ -51,8 +50,6 @@ def _count(module: nn.Module, prefix: str, quant_config: dict) -> dict[str, int]
 
 def trunk_counts(cfg: TextConfig, quant_config: dict | None = None) -> dict[str, int]:
     """The issue-5 keys for the text trunk (see module doc)."""
-    from textcore.mxfp4 import K3_QUANTIZATION_CONFIG
-
     quant_config = quant_config or K3_QUANTIZATION_CONFIG
     p = MULTIMODAL_PREFIX
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """Image bytes -> exactly Kimi-K3's model input (preprocessing), and the MoonViT-3D tower.
 
-Importing this package is light (Pillow and numpy; no torch): the preprocessing names below are
-what the CLI and the service use.
+Importing this package is light (Pillow, numpy and OpenCV; no torch): the preprocessing names
+below are what the CLI and the service use.
 """
 
 from .decode import DEFAULT_LIMITS, Limits

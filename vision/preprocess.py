@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import cv2
 import numpy as np
 from PIL import Image
 
@@ -126,8 +127,6 @@ _BAND_BYTES = 256 * 1024
 
 def patchify_normalise(image: np.ndarray) -> np.ndarray:
     """uint8 (H, W, 3) with H, W multiples of 14 -> normalised float32 [H/14 * W/14, 3, 14, 14]."""
-    import cv2
-
     h, w, c = image.shape
     rows, cols, p = h // PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE
     out = np.empty((rows, cols, c, p, p), dtype=np.float32)
@@ -256,8 +255,6 @@ def _pixel_bands(image: Image.Image) -> Iterator[tuple[int, np.ndarray]]:
 
 def _to_padded_rgb(image: Image.Image, padded_size: tuple[int, int]) -> np.ndarray:
     """Resized image -> uint8 (Hp, Wp, 3): compositing or RGB conversion, then black padding."""
-    import cv2
-
     composite = _needs_composite(image)
     mode = "RGBA" if composite else "RGB"
     with pillow_quiet():
@@ -294,8 +291,6 @@ _FAST_MODES = {"RGB": None, "L": None, "RGBA": "RGBa", "LA": "La"}
 
 
 def _resize_fast(image: Image.Image, size: tuple[int, int]) -> Image.Image:
-    import cv2
-
     if image.size == size or image.mode not in _FAST_MODES:
         return _resize_exact(image, size)
     premultiplied = _FAST_MODES[image.mode]

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -30,8 +32,6 @@ class Progress:
         is_tty = self.stream.isatty() if tty is None else tty
         self._bar = None
         if is_tty:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, unit="img", file=self.stream, dynamic_ncols=True, desc=label,
                              smoothing=0.1)
             self._bar.set_postfix(errors=0)

@@ -21,6 +21,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 
@@ -46,8 +47,6 @@ def worker_main(device: str, checkpoint_dir: str, dtype: torch.dtype | None, thr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     torch.set_num_threads(threads)
-    import cv2
-
     # Preprocessing's OpenCV calls get the same share of the cores: by default OpenCV runs a
     # thread per core in every worker, and its idle threads spin (measured: ~10 ms of CPU per
     # 640x480 image with 2 workers on 2 cores).
