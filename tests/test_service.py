@@ -22,10 +22,10 @@ import pytest
 import torch
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from PIL import Image
+from safetensors.torch import load_file
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
-from service.engine import vllm_ec as ec_export
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
 from service.rpc.convert import CHUNK_BYTES
@@ -307,7 +307,7 @@ def test_encode_writes_vllm_encoder_cache(client, export_dir):
     (span,) = encoded.header.spans
     path = export_dir / span.content_hash / "encoder_cache.safetensors"
     assert span.ec_path == str(path) and path.is_file()
-    written = ec_export.read_ec(export_dir, span.content_hash)
+    written = load_file(str(path))["ec_cache"]  # as vLLM's connector reads it
     assert list(written.shape) == [span.length, encoded.header.hidden_size]
     np.testing.assert_array_equal(written.float().numpy(), encoded.embeddings)
 

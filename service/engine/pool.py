@@ -204,10 +204,6 @@ class EncoderPool:
 
     # -- public API ----------------------------------------------------------------------------
 
-    @property
-    def num_workers(self) -> int:
-        return len(self._slots)
-
     def submit(self, data: bytes, options: ImageOptions, patches: int) -> Future:
         """Queue one image's encoded bytes on the slot with the fewest outstanding patches
         (`patches`: its patch count, from its header). Its future stays pending, and can be

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
@@ -42,7 +42,3 @@ def write_ec(directory: str | Path, mm_hash: str, embedding: torch.Tensor) -> Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
-
-
-def read_ec(directory: str | Path, mm_hash: str) -> torch.Tensor:
-    return load_file(str(ec_path(directory, mm_hash)))[TENSOR_NAME]
