@@ -70,6 +70,7 @@ class ImageInput:
     data: bytes
     options: ImageOptions = DEFAULT_OPTIONS
     where: str = ""  # where a chat holds it ("messages[0].content[1]"), prefixed to its errors
+    uuid: str | None = None  # a client's own id for the item: vLLM uses it verbatim as its mm_hash
 
 
 @dataclass

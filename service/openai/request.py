@@ -1,0 +1,171 @@
+"""An OpenAI chat-completions request body -> what the engine takes.
+
+The body is the one `POST /v1/chat/completions` receives and the one an OpenAI-batch line carries
+under `body`. Messages pass to the K3 chat template nearly as they are (it reads OpenAI messages:
+string or part-list content, assistant `tool_calls`, `reasoning_content`, tool results); each
+`image_url` part becomes `{"type": "image"}` and an `ImagePart` saying where its bytes are. The
+image bytes are fetched afterwards, by the face that knows what it may read (`images.py`).
+
+Every parameter a caller may send is either honoured, accepted at its neutral value (`n: 1`,
+`presence_penalty: 0`, ...), or refused with an error naming it: nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.engine import ChatInput, ImageInput
+from service.errors import BadRequest, Unsupported
+
+# Parameters that change the result and that the engine honours (besides messages and tools).
+SAMPLING = ("temperature", "top_p", "top_k", "seed")
+# Accepted at these values only (what the engine does anyway); another value is refused.
+NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
+                           "parallel_tool_calls": True, "stop": None, "top_logprobs": 0}
+# Accepted and without effect on the reply (who asked, what for).
+INERT = ("user", "metadata", "store", "service_tier")
+# Passed to the chat template as they are.
+TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
+KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+         "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
+# chat_template_kwargs keys the K3 template takes (textcore.chat.render).
+TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "add_generation_prompt")
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """Where one image part's bytes are, as the request gives them."""
+
+    url: str  # a data: URL, an http(s) URL, a file:// URL or a path
+    where: str  # "messages[0].content[1]"
+    uuid: str | None = None  # a client's own item id (vLLM then uses it verbatim as the item's mm_hash)
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]  # the template's form: each image part is {"type": "image"}
+    images: list[ImagePart]
+    tools: list[Any] | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # the SAMPLING keys the request set
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def chat_input(self, images: list[bytes]) -> ChatInput:
+        """The engine's chat, given the bytes of `images` (in order)."""
+        if len(images) != len(self.images):
+            raise ValueError(f"{len(self.images)} image parts but {len(images)} images")
+        inputs = [ImageInput(data, where=part.where, uuid=part.uuid) for data, part in zip(images, self.images,
+                                                                                              strict=True)]
+        return ChatInput(self.messages, self.tools, dict(self.chat_kwargs), inputs)
+
+
+def _int(body: Mapping[str, Any], key: str, *, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise BadRequest(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise BadRequest(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _image_part(part: Mapping[str, Any], where: str) -> ImagePart:
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"{where}: image_url.url must be a non-empty string")
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        raise BadRequest(f"{where}: uuid must be a non-empty string")
+    return ImagePart(url, where, uuid)
+
+
+def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"{where} must be an object with a string role")
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image_url":
+                images.append(_image_part(part, f"{where}.content[{k}]"))
+                parts.append({"type": "image"})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("input_audio", "audio_url", "video_url", "file"):
+                raise Unsupported(f"{where}.content[{k}]: {kind} parts are not supported; Kimi-K3 takes images "
+                                  "and text")
+            else:
+                raise BadRequest(f"{where}.content[{k}]: a part is {{'type': 'text', 'text': ...}} or "
+                                 "{'type': 'image_url', 'image_url': {'url': ...}}")
+        out["content"] = parts
+    elif content is not None and not isinstance(content, str):
+        raise BadRequest(f"{where}.content must be a string or a list of parts")
+    return out
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Check a chat-completions body and split it into the template's messages, the image parts
+    and the generation settings. Raises BadRequest / Unsupported naming the field."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
+    for key, neutral in NEUTRAL.items():
+        value = body.get(key)
+        if value not in (None, neutral, [], ""):
+            raise Unsupported(f"{key}={value!r} is not supported (only {neutral!r})")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    images: list[ImagePart] = []
+    template_messages = [_message(m, i, images) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {model!r}")
+    max_tokens = _int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", minimum=1)
+    sampling: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        if (value := _number(body, key)) is not None:
+            sampling[key] = value
+    for key, minimum in (("top_k", 0), ("seed", 0)):
+        if (value := _int(body, key, minimum=minimum)) is not None:
+            sampling[key] = value
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise BadRequest(f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise BadRequest("stream_options must be an object")
+    chat_kwargs = {key: body[key] for key in TEMPLATE if body.get(key) is not None}
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise BadRequest("chat_template_kwargs must be an object")
+    refused = sorted(set(extra) - set(TEMPLATE_KWARGS))
+    if refused:
+        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(TEMPLATE_KWARGS)}")
+    chat_kwargs.update(extra)
+    return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
+                       bool(options.get("include_usage")), chat_kwargs)

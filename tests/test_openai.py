@@ -1,0 +1,176 @@
+"""The OpenAI chat-completions wire format (service/openai): request bodies, image URLs fetched by
+the rules of each face (a real HTTP server on 127.0.0.1 for the remote cases), response objects."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import threading
+import time
+
+import pytest
+
+from service.engine import GenerationResult
+from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
+from service.openai.images import ImageFetcher
+from service.openai.request import ImagePart, parse_chat_request
+from service.openai.response import Reply, chunk, completion, error_body
+from textcore import parser as p
+
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNsaGhgoDZgorqJo4aOGjpq6Kiho4aOGjpq6Kihg9JQAP1uAbgMp"
+    "B0oAAAAAElFTkSuQmCC")
+DATA_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
+
+
+def _body(**extra):
+    return {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": DATA_URL}}, {"type": "text", "text": "What is it?"}]}], **extra}
+
+
+def test_a_body_becomes_template_messages_image_parts_and_settings():
+    request = parse_chat_request(_body(max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3, n=1,
+                                       presence_penalty=0, stream=True, stream_options={"include_usage": True},
+                                       reasoning_effort="low", chat_template_kwargs={"thinking": False}))
+    content = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    assert request.messages == [{"role": "user", "content": content}]
+    assert request.images == [ImagePart(DATA_URL, "messages[0].content[0]")]
+    assert (request.model, request.max_tokens, request.stream, request.include_usage) == ("m", 7, True, True)
+    assert request.sampling == {"temperature": 0.5, "top_p": 0.9, "seed": 3}
+    assert request.chat_kwargs == {"reasoning_effort": "low", "thinking": False}
+    chat = request.chat_input([PNG])
+    assert chat.images[0].data == PNG and chat.images[0].where == "messages[0].content[0]"
+    assert parse_chat_request(_body(max_tokens=2)).max_tokens == 2  # the older name
+    part = {"type": "image_url", "image_url": {"url": DATA_URL}, "uuid": "client-7"}
+    uuid_request = parse_chat_request({"messages": [{"role": "user", "content": [part]}]})
+    assert uuid_request.chat_input([PNG]).images[0].uuid == "client-7"
+
+
+@pytest.mark.parametrize(("extra", "error", "words"), [
+    ({"logit_bias": {"1": 2}}, Unsupported, r"unsupported parameter\(s\) \['logit_bias'\]"),
+    ({"n": 2}, Unsupported, "n=2 is not supported"),
+    ({"stop": ["\n"]}, Unsupported, "stop="),
+    ({"frequency_penalty": 0.5}, Unsupported, "frequency_penalty=0.5"),
+    ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer >= 1"),
+    ({"temperature": "hot"}, BadRequest, "temperature must be a number"),
+    ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
+])
+def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
+    with pytest.raises(error, match=words):
+        parse_chat_request(_body(**extra))
+    assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).max_tokens is None
+
+
+def test_malformed_messages_name_the_field():
+    for messages, words in [([], "messages must be a non-empty list"),
+                            ([{"content": "x"}], r"messages\[0\] must be an object with a string role"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}],
+                             r"messages\[0\].content\[0\]: image_url.url"),
+                            ([{"role": "user", "content": [{"type": "input_audio"}]}], "input_audio parts"),
+                            ([{"role": "user", "content": 5}], "content must be a string or a list")]:
+        with pytest.raises((BadRequest, Unsupported), match=words):
+            parse_chat_request({"messages": messages})
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        routes = {
+            "/image.png": lambda: self._send(200, PNG),
+            "/big.png": lambda: self._send(200, PNG * 100),
+            "/missing.png": lambda: self._send(404, b"no"),
+            "/broken.png": lambda: self._send(503, b"later"),
+            "/slow.png": lambda: (time.sleep(2), self._send(200, PNG)),
+            "/loop": lambda: self._redirect("/loop"),
+            "/hop": lambda: self._redirect("/image.png"),
+        }
+        routes[self.path]()
+
+    def _send(self, status: int, body: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except BrokenPipeError:  # the client gave up (the timeout and size cases)
+            pass
+
+    def _redirect(self, where: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", where)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def web():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _fetch(fetcher: ImageFetcher, url: str) -> bytes:
+    return asyncio.run(fetcher.fetch(ImagePart(url, "messages[0].content[0]")))
+
+
+def test_remote_images_only_when_allowed_with_limits(web):
+    assert classify(_raises(ImageFetcher(max_bytes=1 << 20), f"{web}/image.png")).message.endswith(
+        "send the image as a data: URL")
+    fetcher = ImageFetcher(max_bytes=len(PNG) * 10, allow_remote=True, timeout_s=0.5, max_redirects=2)
+    assert _fetch(fetcher, f"{web}/image.png") == PNG
+    assert _fetch(fetcher, f"{web}/hop") == PNG  # one redirect is fine
+    cases = [("/big.png", TooLarge, "over the per-image limit"), ("/missing.png", BadRequest, "HTTP 404"),
+             ("/broken.png", Unavailable, "HTTP 503"), ("/slow.png", Unavailable, "no answer within 0.5 s"),
+             ("/loop", BadRequest, "more than 2 redirects")]
+    for path, error, words in cases:
+        exc = _raises(fetcher, f"{web}{path}")
+        assert isinstance(exc, error) and words in str(exc), (path, exc)
+        assert str(exc).startswith("messages[0].content[0]: ")
+    refused = _raises(fetcher, "http://127.0.0.1:1/x.png")  # nothing listens there: the network's problem
+    assert isinstance(refused, Unavailable) and classify(refused).rule.retry
+
+
+def _raises(fetcher: ImageFetcher, url: str) -> Exception:
+    with pytest.raises(Exception) as info:
+        _fetch(fetcher, url)
+    return info.value
+
+
+def test_data_urls_always_local_files_only_with_a_base_dir(tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG)
+    plain = ImageFetcher(max_bytes=1 << 20)
+    assert _fetch(plain, DATA_URL) == PNG
+    assert "does not read local files" in str(_raises(plain, "a.png"))
+    batch = ImageFetcher(max_bytes=1 << 20, base_dir=tmp_path)
+    assert _fetch(batch, "a.png") == PNG == _fetch(batch, f"file://{tmp_path / 'a.png'}")
+    assert "no such file" in str(_raises(batch, "b.png"))
+    assert "not valid base64" in str(_raises(plain, "data:image/png;base64,@@@"))
+    assert isinstance(_raises(ImageFetcher(max_bytes=10), DATA_URL), TooLarge)
+    assert "scheme 'ftp'" in str(_raises(batch, "ftp://host/x.png"))
+
+
+def test_a_reply_as_a_completion_a_stream_and_an_error():
+    reply = Reply()
+    deltas = [reply.add(item) for item in (p.ReasoningDelta("hmm"), p.ContentDelta("A "), p.ContentDelta("cat."),
+                                           p.Stop(163586), GenerationResult("stop", 30, 16, 4))]
+    assert deltas == [{"reasoning": "hmm"}, {"content": "A "}, {"content": "cat."}, None, None]
+    body = completion(reply, model="m", request_id="chatcmpl-1", created=5)
+    assert body == {"id": "chatcmpl-1", "object": "chat.completion", "created": 5, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "A cat.", "reasoning": "hmm"}, "logprobs": None,
+         "finish_reason": "stop"}], "usage": {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}}
+    tools = Reply()
+    tools.add(p.ToolCallEnd(1, "get_weather", {"city": "Seoul"}))
+    tools.add(GenerationResult("stop", 10, 0, 9))
+    message = completion(tools, model="m", request_id="x")["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Seoul"}'}
+    assert chunk({"content": "A"}, model="m", request_id="x", created=1)["choices"][0]["delta"] == {"content": "A"}
+    usage = chunk(None, model="m", request_id="x", created=1, usage=reply.usage())
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 34
+    error = error_body(classify(TooLarge("too big")))
+    assert error == {"error": {"message": "too big", "type": "invalid_request_error", "param": None, "code": 413}}
+    assert classify(Unavailable("x")).kind == Kind.UNAVAILABLE
