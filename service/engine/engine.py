@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import os
 import threading
@@ -36,7 +37,7 @@ from service.engine.allocator import keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
 from service.engine.pool import EncodeError, EncoderPool
-from service.engine.vllm_ec import write_ec
+from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, write_ec
 from service.errors import BadRequest, NotConfigured, TooLarge
 from service.metrics import Metrics
 from textcore.chat import ChatError, render
@@ -153,6 +154,11 @@ class EngineConfig:
     devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
     threads_per_worker: int | None = None  # torch/OpenCV threads per encoder worker (None: cores / workers)
     components: Components = "all"  # "vision": tokenizer, tower and projector only; no trunk is loaded
+    # The model id vLLM runs (`vllm serve MODEL`): it keys vLLM's mm_hash of every image, and names
+    # the model to OpenAI clients. None: the checkpoint's `_name_or_path`, else DEFAULT_MODEL_ID.
+    model_id: str | None = None
+    served_model_names: tuple[str, ...] = ()  # names a request's `model` may give (default: the model id)
+    hash_algorithm: str = "blake3"  # vLLM's --mm-hasher-algorithm: blake3 | sha256 | sha512
     limits: Limits = DEFAULT_LIMITS  # per image
     max_images: int = 16  # per request
     max_request_pixels: int = 200_000_000  # decoded pixels of all of a request's images together
@@ -168,6 +174,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.components not in COMPONENTS:
             raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {self.hash_algorithm!r}")
         for name in ("max_images", "max_request_pixels", "cpu_threads", "default_max_new_tokens",
                      "max_new_tokens_limit"):
             if getattr(self, name) < 1:
@@ -197,6 +205,15 @@ def _named(image: ImageInput) -> Iterator[None]:
         raise type(exc)(f"{image.where}: {exc}") from None
 
 
+def _name_or_path(checkpoint_dir: Path) -> str | None:
+    """The checkpoint's own model id (`_name_or_path` in its config.json), if it has one."""
+    try:
+        name = json.loads((checkpoint_dir / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
 def _probe_png() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.full((56, 56, 3), 128, dtype=np.uint8)).save(buf, "PNG")
@@ -216,6 +233,8 @@ class Engine:
         self.config = config
         self.checkpoint_dir = Path(config.checkpoint)
         self.fingerprint = checkpoint_fingerprint(self.checkpoint_dir)  # the model's one identity
+        self.model_id = config.model_id or _name_or_path(self.checkpoint_dir) or DEFAULT_MODEL_ID
+        self.served_model_names = config.served_model_names or (self.model_id,)
         self.tokenizer = tokenizer
         self.pool = pool
         self.model = model
@@ -282,6 +301,10 @@ class Engine:
     def hidden_size(self) -> int:
         """Width of the embedding rows (the trunk's hidden size)."""
         return int(self.pool.config.text_hidden_size)
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request's `model` names this model (no name: it does)."""
+        return model is None or model in self.served_model_names
 
     @property
     def media_pad_id(self) -> int:

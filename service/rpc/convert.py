@@ -38,7 +38,8 @@ def image_input(image: pb.Image, where: str = "") -> ImageInput:
                                resize=o.resize or "exact")
     except ImageOptionsError as exc:
         raise BadRequest(f"{label}: options: {exc}") from None
-    return ImageInput(data=image.data, options=options, where=where)  # one read: each read copies the bytes
+    # One read of `data`: each read of a protobuf bytes field copies it.
+    return ImageInput(data=image.data, options=options, where=where, uuid=image.uuid or None)
 
 
 def _json_field(text: str, name: str, kind: type) -> Any:

@@ -123,4 +123,6 @@ class VisionService(pb_grpc.VisionServiceServicer):
             engine = self._engine
             return pb.ModelInfo(fingerprint=engine.fingerprint, hidden_size=engine.hidden_size,
                                 components=engine.config.components, devices=engine.devices,
-                                image_options=DEFAULT_OPTIONS.key())
+                                image_options=DEFAULT_OPTIONS.key(), model_id=engine.model_id,
+                                served_model_names=engine.served_model_names,
+                                hash_algorithm=engine.config.hash_algorithm)

@@ -27,14 +27,16 @@ class ImageOptions(_message.Message):
     def __init__(self, exif_transpose: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., resize: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type", "options")
+    __slots__ = ("data", "mime_type", "options", "uuid")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
     options: ImageOptions
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[ImageOptions, _Mapping]] = ...) -> None: ...
+    uuid: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[ImageOptions, _Mapping]] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -361,15 +363,21 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("fingerprint", "hidden_size", "components", "devices", "image_options")
+    __slots__ = ("fingerprint", "hidden_size", "components", "devices", "image_options", "model_id", "served_model_names", "hash_algorithm")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     hidden_size: int
     components: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     image_options: str
-    def __init__(self, fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., components: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., image_options: _Optional[str] = ...) -> None: ...
+    model_id: str
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    hash_algorithm: str
+    def __init__(self, fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., components: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., image_options: _Optional[str] = ..., model_id: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., hash_algorithm: _Optional[str] = ...) -> None: ...
