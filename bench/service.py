@@ -13,7 +13,12 @@ embedding cache off so every Embed runs the tower), then in one run:
    work): the transport cost an RPC adds, measured on its own because the machine's noise is
    larger than that cost. This process sets its allocator as the server's does
    (`service.engine.allocator.keep_freed_memory`), so both sides run the same preprocessing.
-2. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
+2. vLLM's disaggregated encoding, over both faces: the request vLLM's proxy sends the encoder
+   (`POST /v1/chat/completions`, `max_tokens` 1, the image as a `data:` URL) to the HTTP face in EC
+   producer mode, vs the Encode RPC with `export_vllm_ec` (bfloat16): the same work (embed the image,
+   write its encoder-cache file), the same 1920x1080 JPEG, interleaved, min and median of
+   --repeats each. Target: HTTP / Encode <= 1.15.
+3. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
    for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
 
 The machine is shared and noisy: ratios come from side-by-side runs; absolute figures move.
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import io
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -63,11 +69,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint: str | None, port: int, log: IO[str]) -> subprocess.Popen:
+def start_server(checkpoint: str | None, port: int, http_port: int, export_dir: str, log: IO[str]) -> subprocess.Popen:
     """The server writes its log (one access line per request) to `log`, a file: a pipe nobody
     reads fills after a few hundred requests and then blocks the server's event loop."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--devices", "cpu:1",
-           "--cache-mb", "0", "--max-concurrency", "4", "--max-queue", "64"]
+           "--cache-mb", "0", "--max-concurrency", "4", "--max-queue", "64", "--http-port", str(http_port),
+           "--ec-export-dir", export_dir, "--ec-role", "producer"]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -109,6 +116,38 @@ def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             calls[name]()
             runs[name].append(time.perf_counter() - t0)
+    out = {f"{name}_min": min(v) for name, v in runs.items()}
+    out.update({f"{name}_median": statistics.median(v) for name, v in runs.items()})
+    return out
+
+
+def compare_producer(client, http_port: int, data: bytes, repeats: int) -> dict[str, float]:
+    """The encoder's part of vLLM's EPD over HTTP (what the proxy sends) and over gRPC (Encode with
+    the export), interleaved with alternating order."""
+    import base64
+
+    import httpx
+
+    from service.rpc.client import user
+
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    body = {"model": "moonshotai/Kimi-K3", "max_tokens": 1, "stream": False, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the image?"}]}]}
+    chat = [user(data, "What is in the image?")]
+    with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=300) as http:
+        def over_http() -> None:
+            reply = http.post("/v1/chat/completions", json=body, headers={"x-request-id": "bench"})
+            reply.raise_for_status()
+
+        calls = {"http": over_http, "encode": lambda: client.encode(chat, dtype="bfloat16", export_vllm_ec=True)}
+        for call in calls.values():
+            call()  # warm
+        runs: dict[str, list[float]] = {name: [] for name in calls}
+        for i in range(repeats):
+            for name in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
+                t0 = time.perf_counter()
+                calls[name]()
+                runs[name].append(time.perf_counter() - t0)
     out = {f"{name}_min": min(v) for name, v in runs.items()}
     out.update({f"{name}_median": statistics.median(v) for name, v in runs.items()})
     return out
@@ -162,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.rpc.client import VisionClient
 
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     target = f"127.0.0.1:{port}"
     log = tempfile.TemporaryFile("w+")
-    proc = start_server(args.checkpoint, port, log)
+    export_dir = tempfile.mkdtemp(prefix="kimi-bench-ec-")
+    proc = start_server(args.checkpoint, port, http_port, export_dir, log)
     try:
         with VisionClient(target, timeout=300) as client:
             wait_serving(client, proc, log)
@@ -182,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  (in-process + the RPC's transport cost) / in-process: "
                   f"{(cmp['local_min'] + cmp['transport_min']) / cmp['local_min']:.3f} (min), "
                   f"{(cmp['local_median'] + cmp['transport_median']) / cmp['local_median']:.3f} (median)")
+            hd = _photo_jpeg(1920, 1080, 2)
+            epd = compare_producer(client, http_port, hd, args.repeats)
+            print(f"\nvLLM EPD encoder request, 1920x1080 JPEG ({len(hd) / 1e6:.2f} MB), {args.repeats} interleaved "
+                  "runs each (min / median):")
+            print(f"  HTTP chat/completions (producer, max_tokens 1) {epd['http_min'] * 1000:8.1f} / "
+                  f"{epd['http_median'] * 1000:8.1f} ms")
+            print(f"  Encode RPC (export_vllm_ec, bfloat16)          {epd['encode_min'] * 1000:8.1f} / "
+                  f"{epd['encode_median'] * 1000:8.1f} ms")
+            print(f"  HTTP / Encode: {epd['http_min'] / epd['encode_min']:.3f} (min), "
+                  f"{epd['http_median'] / epd['encode_median']:.3f} (median); target <= 1.15")
         cases = [("Preprocess", "1920x1080 JPEG", _photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
         print("\n| RPC | input | concurrency | requests | p50 ms | p99 ms | req/s | errors |")
         print("|---|---|---|---|---|---|---|---|")
@@ -194,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        shutil.rmtree(export_dir, ignore_errors=True)
     return 0
 
 

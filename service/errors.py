@@ -31,6 +31,7 @@ class Kind(StrEnum):
     TOO_LARGE = "too_large"  # over a size limit (bytes, pixels, images): send less
     UNSUPPORTED = "unsupported"  # a valid request for something not served (video)
     NOT_CONFIGURED = "not_configured"  # needs something the operator did not enable
+    NOT_FOUND = "not_found"  # names something this server does not have (another model)
     OVERLOADED = "overloaded"  # the admission queue is full: retry later with backoff
     UNAVAILABLE = "unavailable"  # warming up, draining, a worker died: retry here or elsewhere
     DEADLINE = "deadline"  # the caller's deadline passed
@@ -49,6 +50,7 @@ RULES: dict[Kind, Rule] = {
     Kind.TOO_LARGE: Rule(grpc.StatusCode.INVALID_ARGUMENT, 413, False),
     Kind.UNSUPPORTED: Rule(grpc.StatusCode.UNIMPLEMENTED, 400, False),
     Kind.NOT_CONFIGURED: Rule(grpc.StatusCode.FAILED_PRECONDITION, 400, False),
+    Kind.NOT_FOUND: Rule(grpc.StatusCode.NOT_FOUND, 404, False),
     Kind.OVERLOADED: Rule(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     Kind.UNAVAILABLE: Rule(grpc.StatusCode.UNAVAILABLE, 503, True),
     Kind.DEADLINE: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
@@ -92,6 +94,12 @@ class NotConfigured(ServiceError):
     """The request needs something the operator did not enable (an export directory, the trunk)."""
 
     kind = Kind.NOT_CONFIGURED
+
+
+class NotFound(ServiceError):
+    """The request names something this server does not have (a model it does not serve)."""
+
+    kind = Kind.NOT_FOUND
 
 
 class Overloaded(ServiceError):

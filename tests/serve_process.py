@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_READY = re.compile(r"serving on (\S+):(\d+)")
+_READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(?:; http on \S+:(\d+))?")
 
 
 def _die_with_parent() -> None:
@@ -37,41 +37,52 @@ def serve_command() -> list[str]:
 
 
 class ServeProcess:
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
         self.proc = proc
-        self.host = host
-        self.port = port
         self.log_path = log_path
         self.process = psutil.Process(proc.pid)
+        self.host = ""
+        self.port = 0
         self.metrics_port: int | None = None  # set by a caller that passed --metrics-port
+        self.http_port: int | None = None  # the HTTP face's, when started with --http-port
+        self._ready: list[tuple[str, int, int | None]] = []
+
+        def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
+            for line in proc.stdout:
+                m = _READY.search(line)
+                if m and not self._ready:
+                    self._ready.append((m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None))
+
+        threading.Thread(target=read_stdout, daemon=True).start()
 
     @classmethod
-    def start(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-              ready_timeout_s: float = 240.0) -> ServeProcess:
-        """Start `kimi-vision serve --port 0 <args>` and wait until it says it is serving."""
+    def launch(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None) -> ServeProcess:
+        """Start `kimi-vision serve --port 0 <args>` without waiting for it (see `wait_ready`)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log = open(log_path, "wb")  # the child writes to it for its whole life
         proc = subprocess.Popen([*serve_command(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=full_env,
                                 stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
         log.close()
-        found: list[tuple[str, int]] = []
+        return cls(proc, log_path)
 
-        def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
-            for line in proc.stdout:
-                m = _READY.search(line)
-                if m and not found:
-                    found.append((m.group(1), int(m.group(2))))
+    @classmethod
+    def start(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+              ready_timeout_s: float = 240.0) -> ServeProcess:
+        """Start `kimi-vision serve --port 0 <args>` and wait until it says it is serving."""
+        return cls.launch(args, log_path=log_path, env=env).wait_ready(ready_timeout_s)
 
-        threading.Thread(target=read_stdout, daemon=True).start()
-        deadline = time.monotonic() + ready_timeout_s
-        while not found:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"kimi-vision serve did not become ready (exit {proc.returncode}):\n"
-                                   + log_path.read_text(errors="replace")[-4000:])
+    def wait_ready(self, timeout_s: float = 240.0) -> ServeProcess:
+        """Wait until the server says it is serving (its ports are then known)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"kimi-vision serve did not become ready (exit {self.proc.returncode}):\n"
+                                   + self.log_path.read_text(errors="replace")[-4000:])
             time.sleep(0.05)
-        return cls(proc, found[0][0], found[0][1], log_path)
+        self.host, self.port, self.http_port = self._ready[0]
+        return self
 
     @property
     def target(self) -> str:

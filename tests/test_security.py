@@ -22,9 +22,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 from serve_process import REPO_ROOT, ServeProcess, serve_command
 
+from service.auth import ENV_VAR, AuthConfigError, resolve_token
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
-from service.rpc.auth import ENV_VAR, AuthConfigError, auth_metadata, bearer_credentials, resolve_token
+from service.rpc.auth import auth_metadata, bearer_credentials
 from service.rpc.client import VisionClient, image, system, user
 from textcore.tokenizer import MEDIA_PAD_ID, NUM_BASE_TOKENS
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
+from service.engine.vllm_ec import mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
 from service.rpc.convert import CHUNK_BYTES
@@ -301,15 +302,21 @@ def test_same_image_twice_in_one_request(client):
     np.testing.assert_array_equal(encoded.embeddings[:4], encoded.embeddings[4:])
 
 
-def test_encode_writes_vllm_encoder_cache(client, export_dir):
+def test_encode_writes_vllm_encoder_cache(server, client, export_dir):
     data = _png(70, 70, seed=8)
     encoded = client.encode([user("x", data)], export_vllm_ec=True)
     (span,) = encoded.header.spans
-    path = export_dir / span.content_hash / "encoder_cache.safetensors"
+    # Named by the key vLLM looks the image up by: its mm_hash under the served model id.
+    assert span.mm_hash == mm_hash(data, server.engine.model_id) == mm_hash(data, "moonshotai/Kimi-K3")
+    path = export_dir / span.mm_hash / "encoder_cache.safetensors"
     assert span.ec_path == str(path) and path.is_file()
     written = load_file(str(path))["ec_cache"]  # as vLLM's connector reads it
     assert list(written.shape) == [span.length, encoded.header.hidden_size]
     np.testing.assert_array_equal(written.float().numpy(), encoded.embeddings)
+    # A client's own item uuid is the key, verbatim (as vLLM uses it).
+    tagged = client.encode([user("x", pb.Image(data=data, uuid="client-item-1"))], export_vllm_ec=True)
+    assert tagged.header.spans[0].mm_hash == "client-item-1"
+    assert (export_dir / "client-item-1" / "encoder_cache.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------------------------------

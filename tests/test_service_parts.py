@@ -115,6 +115,7 @@ def test_error_taxonomy_is_one_table():
         (errors.TooLarge("x"), K.TOO_LARGE, G.INVALID_ARGUMENT, 413, False),
         (errors.Unsupported("x"), K.UNSUPPORTED, G.UNIMPLEMENTED, 400, False),
         (errors.NotConfigured("x"), K.NOT_CONFIGURED, G.FAILED_PRECONDITION, 400, False),
+        (errors.NotFound("x"), K.NOT_FOUND, G.NOT_FOUND, 404, False),
         (errors.Overloaded("x"), K.OVERLOADED, G.RESOURCE_EXHAUSTED, 429, True),
         (errors.Unavailable("x"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
         (ImageDecodeError("truncated"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),

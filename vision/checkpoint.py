@@ -4,7 +4,9 @@ A checkpoint is a directory (possibly a Hugging Face snapshot made of symlinks) 
 `config.json`, `preprocessor_config.json`, tokenizer files, and either one
 `model.safetensors` or `model.safetensors.index.json` plus shards. Tensors are read lazily
 through memory-mapped shards, so loading one sub-model (the vision tower) never touches the
-others (the trunk's ~1.5 TB).
+others (the trunk's ~1.5 TB): a shard is opened only when one of its tensors is asked for, and
+checked to exist only when a sub-model's tensors are (a vision-only deployment may leave the
+trunk's shards out).
 
 This module knows nothing about any model: the tower and the trunk each ask for their prefix.
 """
@@ -56,9 +58,6 @@ class Checkpoint:
                 self._file_of = {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118
         else:
             raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        missing_files = sorted({f for f in self._file_of.values() if not (self.path / f).exists()})
-        if missing_files:
-            raise CheckpointError(f"{self.path}: {_listing('shard files missing', missing_files)}")
         self._handles: dict[str, object] = {}
 
     def read_json(self, name: str) -> dict:
@@ -87,8 +86,12 @@ class Checkpoint:
         return self._handle(self._file_of[name]).get_tensor(name)
 
     def check(self, expected: Mapping[str, tuple[int, ...]], prefix: str) -> None:
-        """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+        """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor (and,
+        first, every shard file that holds `prefix`* tensors but is not there)."""
         present = set(self.names(prefix))
+        absent = sorted({self._file_of[n] for n in present if not (self.path / self._file_of[n]).exists()})
+        if absent:
+            raise CheckpointError(f"{self.path}: {_listing(f'shard files of {prefix!r}* missing', absent)}")
         want = {prefix + k: tuple(v) for k, v in expected.items()}
         missing = sorted(set(want) - present)
         unexpected = sorted(present - set(want))

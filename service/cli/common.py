@@ -14,6 +14,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, devices: bool = True
                             help="encoder workers: auto (default), cpu:N or cuda:0,1,...")
 
 
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """What keys vLLM's encoder cache: its model id and hash algorithm (keep them equal on both sides)."""
+    parser.add_argument("--vllm-model-id", metavar="ID",
+                        help="the model id vLLM runs (`vllm serve ID`), which keys its mm_hash of every image "
+                             "(default: the checkpoint's _name_or_path, else moonshotai/Kimi-K3)")
+    parser.add_argument("--mm-hasher-algorithm", choices=("blake3", "sha256", "sha512"), default="blake3",
+                        help="vLLM's --mm-hasher-algorithm (default blake3, as vLLM's)")
+
+
 def checkpoint_dir(given: str | None) -> Path:
     """`--checkpoint`, or the embedded default (built on first use: a tiny random checkpoint)."""
     if given is not None:

@@ -6,9 +6,10 @@ file name as given (a repeated name gets `#2`, `#3`, ...). The safetensors metad
 `kimi_vision` holds, per key, the grid, token count and prompt text. A file that fails is reported
 and skipped; the exit status is then 2.
 
-`--format vllm-ec` writes instead, for encoder disaggregation, `OUT/<hash>/encoder_cache.safetensors`
-with one tensor `ec_cache` per image (the layout vLLM's shared-storage encoder-cache connector
-reads); `<hash>` is the engine's content hash (bytes + preprocessing options + checkpoint).
+`--format vllm-ec` writes instead, for encoder disaggregation, `OUT/<mm_hash>/encoder_cache.safetensors`
+with one tensor `ec_cache` per image (in `--dtype`, default bfloat16: what vLLM holds), the layout
+vLLM's shared-storage encoder-cache connector reads, named by the `mm_hash` vLLM computes for the
+image (`--vllm-model-id`, `--mm-hasher-algorithm`: what the vLLM instance runs with).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import sys
 import time
 
-from service.cli.common import add_model_arguments, checkpoint_dir
+from service.cli.common import add_model_arguments, add_vllm_arguments, checkpoint_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, devices=False)
     parser.add_argument("--workers", type=int, metavar="N", help="number of CPU encoder workers")
     parser.add_argument("--devices", metavar="SPEC", help="auto (default), cpu:N or cuda:0,1,...")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                        help="tensor dtype (default: float32; bfloat16 with --format vllm-ec)")
+    add_vllm_arguments(parser)
 
 
 def _unique_key(name: str, used: set[str]) -> str:
@@ -42,8 +46,8 @@ def _unique_key(name: str, used: set[str]) -> str:
     return key
 
 
-async def _embed_files(engine, names: list[str]) -> list[tuple[str, object]]:
-    """(name, ImageEmbedding or the failure message) per file, in order; a few files in flight."""
+async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]]:
+    """(name, ImageEmbedding or the failure message, vLLM's key) per file, in order; a few in flight."""
     import asyncio
 
     from service.engine import ImageInput
@@ -51,21 +55,21 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object]]:
 
     slots = asyncio.Semaphore(2 * len(engine.devices))
 
-    async def one(name: str) -> tuple[str, object]:
+    async def one(name: str) -> tuple[str, object, str]:
         async with slots:
             try:
                 with open(name, "rb") as f:
-                    data = f.read()
+                    image = ImageInput(f.read())
             except OSError as e:
-                return name, e.strerror or str(e)
+                return name, e.strerror or str(e), ""
             try:
-                (emb,) = await engine.embed([ImageInput(data)])
+                (emb,) = await engine.embed([image])
             except Exception as exc:  # noqa: BLE001 - a classified failure is that file's; a bug propagates
                 failure = classify(exc)
                 if failure is None:
                     raise
-                return name, failure.message
-            return name, emb
+                return name, failure.message, ""
+            return name, emb, engine.vllm_key(image)
 
     return list(await asyncio.gather(*(one(name) for name in names)))
 
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     import asyncio
 
+    import torch
     from safetensors.torch import save_file
 
     from service.engine import Engine, EngineConfig
@@ -88,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
     from vision.checkpoint import CheckpointError
 
     devices = f"cpu:{args.workers}" if args.workers is not None else (args.devices or "auto")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.format == "vllm-ec" else "float32"))
     start = time.perf_counter()
     try:
         engine = Engine.load(EngineConfig(checkpoint=checkpoint_dir(args.checkpoint), devices=devices,
-                                          components="vision", cache_bytes=0))
+                                          components="vision", cache_bytes=0, model_id=args.vllm_model_id,
+                                          hash_algorithm=args.mm_hasher_algorithm))
     except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -101,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     status = 0
     tensors, meta, used, hashes = {}, {}, set(), {}
-    for name, result in results:
+    for name, result, vllm_key in results:
         if isinstance(result, str):
             print(f"error: {name}: {result}", file=sys.stderr)
             status = 2
             continue
         key = _unique_key(name, used)
-        tensors[key] = result.rows.contiguous()
-        hashes[key] = result.content_hash
+        tensors[key] = result.rows.to(dtype).contiguous()
+        hashes[key] = vllm_key
         meta[key] = {"grid_thw": list(result.grid_thw), "tokens": result.num_tokens, "prompt": result.prompt}
         print(f"{key}: {result.num_tokens} tokens -> {list(result.rows.shape)} "
               f"{str(result.rows.dtype).removeprefix('torch.')}")

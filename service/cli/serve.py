@@ -1,15 +1,19 @@
-"""`kimi-vision serve`: run the gRPC service until SIGTERM (which drains) or Ctrl-C."""
+"""`kimi-vision serve`: run the gRPC service (and, with `--http-port`, the OpenAI-compatible HTTP
+face) until SIGTERM (which drains both) or Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from service.cli.common import add_model_arguments, checkpoint_dir
+from service.cli.common import add_model_arguments, add_vllm_arguments, checkpoint_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    parser.add_argument("--components", choices=("all", "vision"), default="all",
+                        help="all (default): tokenizer, vision tower, projector and trunk; vision: no trunk is "
+                             "loaded (a vision frontend: everything but generation)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free port)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
@@ -25,6 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="embedding cache budget (default 1024; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
+    parser.add_argument("--ec-role", choices=("producer",),
+                        help="producer: every HTTP chat completion's images are written under --ec-export-dir "
+                             "(named as vLLM looks them up) before the reply; max_tokens 1 skips the trunk")
+    parser.add_argument("--http-port", type=int, metavar="PORT",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
+                             "/v1/models) on this port (0 = any free port)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="let HTTP requests name http(s) image URLs, which the server then fetches "
+                             "(10 s timeout, the per-image byte limit, 3 redirects)")
+    parser.add_argument("--served-model-name", action="append", metavar="NAME",
+                        help="a name requests may give as `model` (repeatable; default: the vLLM model id)")
+    add_vllm_arguments(parser)
     parser.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, how long in-flight requests may finish (default 30)")
     parser.add_argument("--auth-token", metavar="TOKEN",
@@ -41,13 +57,21 @@ def _problem(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     if args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535:
         return "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        return "--http-port must be in 0..65535"
+    if args.ec_role == "producer" and not args.ec_export_dir:
+        return "--ec-role producer needs --ec-export-dir (where the encoder-cache files go)"
+    if args.ec_role == "producer" and args.http_port is None:
+        return "--ec-role producer needs --http-port (vLLM's proxy calls the encoder over HTTP)"
     return None
 
 
-def _security(args: argparse.Namespace) -> tuple[tuple, object | None]:
-    """(interceptors, TLS server credentials or None) from the flags; ValueError names a problem."""
+def _security(args: argparse.Namespace) -> tuple[tuple, object | None, str | None]:
+    """(interceptors, TLS server credentials or None, the token or None) from the flags; ValueError
+    names a problem."""
+    from service.auth import resolve_token
     from service.rpc.access_log import RequestLogInterceptor
-    from service.rpc.auth import BearerTokenInterceptor, resolve_token
+    from service.rpc.auth import BearerTokenInterceptor
     from service.rpc.proto_guard import MalformedRequestInterceptor
     from service.rpc.tls import server_credentials, tls_paths
 
@@ -58,7 +82,7 @@ def _security(args: argparse.Namespace) -> tuple[tuple, object | None]:
     # request byte is parsed), then the parse itself (corrupt protobuf -> INVALID_ARGUMENT).
     auth = (BearerTokenInterceptor(token),) if token else ()
     interceptors = (RequestLogInterceptor(), *auth, MalformedRequestInterceptor())
-    return interceptors, credentials
+    return interceptors, credentials, token
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        interceptors, credentials = _security(args)
+        interceptors, credentials, token = _security(args)
     except ValueError as exc:  # AuthConfigError, TLSConfigError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -75,23 +99,29 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from service.engine import EngineConfig
+    from service.http.app import HttpConfig
     from service.logs import ServerLog
     from service.rpc.server import ServerConfig, serve
     from vision import Limits
 
+    http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
+                      allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer")
     config = ServerConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=args.max_message_mb << 20,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
-        credentials=credentials, interceptors=interceptors,
+        credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
+        tls_files=(args.tls_cert, args.tls_key) if credentials else None,
     )
     engine_config = EngineConfig(
-        checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices,
+        checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
         limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
-        cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir,
+        cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
+        served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
     )
 
     def announce(server) -> None:
-        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING)", flush=True)
+        http_line = f"; http on {args.host}:{server.http.port}" if server.http is not None else ""
+        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){http_line}", flush=True)
 
     server_log = ServerLog()  # written off the event loop: a stuck log reader never stalls requests
     try:

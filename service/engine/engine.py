@@ -37,7 +37,7 @@ from service.engine.allocator import keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
 from service.engine.pool import EncodeError, EncoderPool
-from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, write_ec
+from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, item_key, write_ec
 from service.errors import BadRequest, NotConfigured, TooLarge
 from service.metrics import Metrics
 from textcore.chat import ChatError, render
@@ -123,6 +123,7 @@ class Encoding:
     position_ids: list[int]
     spans: list[Span]
     embeddings: list[ImageEmbedding]
+    mm_hashes: list[str]  # each image's key in vLLM's encoder cache (vllm_ec.item_key)
     ec_paths: list[Path]  # the vLLM encoder-cache file of each image, when exported (else empty)
 
 
@@ -390,7 +391,7 @@ class Engine:
         """The expanded prompt and the image rows: what another engine needs to prefill. With
         `export_dtype` each image's rows (cast to it: the consumer's activation dtype, usually
         bf16) are also written under `ec_export_dir` in the layout of vLLM's shared-storage
-        encoder-cache connector, before this returns."""
+        encoder-cache connector, named by the key vLLM looks the image up by, before this returns."""
         directory = self.config.ec_export_dir
         if export_dtype is not None and directory is None:
             raise NotConfigured("exporting vLLM encoder-cache files needs the server to run with --ec-export-dir")
@@ -398,12 +399,17 @@ class Engine:
         ids = await self.run_cpu(self._prompt, chat, [e.prompt for e in embeddings])
         expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
         positions = position_ids(torch.ones(len(expanded.input_ids), dtype=torch.long)).tolist()
+        keys = [self.vllm_key(image) for image in chat.images]
         ec_paths: list[Path] = []
         if export_dtype is not None:
-            ec_paths = await self.run_cpu(lambda: [write_ec(directory, e.content_hash, e.rows.to(export_dtype))
-                                                   for e in embeddings])
+            ec_paths = await self.run_cpu(lambda: [write_ec(directory, key, e.rows.to(export_dtype))
+                                                   for key, e in zip(keys, embeddings, strict=True)])
         self.metrics.tokens.labels(kind="prompt").inc(len(expanded.input_ids))
-        return Encoding(expanded.input_ids, positions, expanded.spans, embeddings, ec_paths)
+        return Encoding(expanded.input_ids, positions, expanded.spans, embeddings, keys, ec_paths)
+
+    def vllm_key(self, image: ImageInput) -> str:
+        """The key vLLM files `image` under in its encoder cache (its uuid, else vLLM's mm_hash)."""
+        return item_key(image.data, image.uuid, self.model_id, self.config.hash_algorithm)
 
     def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None) -> SamplingParams:

@@ -25,6 +25,7 @@ ERROR_TYPES = {
     Kind.TOO_LARGE: "invalid_request_error",
     Kind.UNSUPPORTED: "invalid_request_error",
     Kind.NOT_CONFIGURED: "invalid_request_error",
+    Kind.NOT_FOUND: "invalid_request_error",
     Kind.OVERLOADED: "rate_limit_error",
     Kind.UNAVAILABLE: "service_unavailable_error",
     Kind.DEADLINE: "timeout_error",

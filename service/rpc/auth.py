@@ -4,64 +4,28 @@ Server: `BearerTokenInterceptor(token)` is a grpc.aio server interceptor. Every 
 the metadata `authorization: Bearer <token>`; anything else is answered `UNAUTHENTICATED`
 before the request reaches a handler (unknown methods too, so a caller without the token learns
 nothing about the API). `grpc.health.v1.Health` stays open: load balancers and orchestrators
-probe health without credentials. The comparison is constant-time over SHA-256 digests, so
-neither the token's content nor its length shows in response times.
+probe health without credentials.
 
 Client: the token travels as call credentials, which gRPC only attaches to a secure channel.
 `bearer_credentials(token, root_certificates=...)` gives TLS + token; without certificates it
 gives gRPC's local (loopback, plaintext) credentials + token, for a server without TLS on
 127.0.0.1. `auth_metadata(token)` is the raw metadata, for stubs called with `metadata=`.
 
-The token comes from `--auth-token` or the `KIMI_VISION_AUTH_TOKEN` environment variable
-(`resolve_token`); the variable keeps it out of the process list. It is never logged.
+The token itself (where it comes from, how it is compared) is `service.auth`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
-ENV_VAR = "KIMI_VISION_AUTH_TOKEN"
+from service.auth import BearerToken, presented_token, refusal
+
 HEALTH_SERVICE = "grpc.health.v1.Health"
-MIN_TOKEN_CHARS = 16
 
 log = logging.getLogger("kimi_vision.auth")
-
-
-class AuthConfigError(ValueError):
-    """The configured token cannot be used (empty, too short, or not sendable as metadata)."""
-
-
-def check_token(token: str) -> str:
-    """`token` if it can be used as a bearer token, else `AuthConfigError` saying why."""
-    if len(token) < MIN_TOKEN_CHARS:
-        raise AuthConfigError(f"the auth token must be at least {MIN_TOKEN_CHARS} characters "
-                              f"(got {len(token)}); generate one with: python -c 'import secrets; "
-                              "print(secrets.token_urlsafe(32))'")
-    if not all("\x21" <= ch <= "\x7e" for ch in token):
-        # gRPC metadata values are printable ASCII; a space would split "Bearer <token>".
-        raise AuthConfigError("the auth token must be printable ASCII without spaces")
-    return token
-
-
-def resolve_token(flag_value: str | None, environ: dict[str, str] | None = None) -> str | None:
-    """The token to require: `--auth-token` if given, else `$KIMI_VISION_AUTH_TOKEN`, else None (auth off)."""
-    env = os.environ if environ is None else environ
-    token = flag_value if flag_value is not None else env.get(ENV_VAR)
-    if token is None or token == "":
-        if flag_value == "":
-            raise AuthConfigError("--auth-token is empty")
-        return None
-    return check_token(token)
-
-
-def _digest(value: str | bytes) -> bytes:
-    return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
 
 
 def _service_of(method: str) -> str:
@@ -69,17 +33,8 @@ def _service_of(method: str) -> str:
     return method.lstrip("/").partition("/")[0]
 
 
-def _presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | bytes | None:
-    values = [value for key, value in (metadata or ()) if key == "authorization"]
-    if len(values) != 1:
-        return None  # absent, or sent twice (ambiguous: refuse rather than pick one)
-    value = values[0]
-    if isinstance(value, bytes):
-        value = value.decode("latin-1")
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return None
-    return token.strip()
+def _presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    return presented_token(value for key, value in (metadata or ()) if key == "authorization")
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
@@ -106,14 +61,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Require `authorization: Bearer <token>` on every RPC except those of `exempt` services."""
 
     def __init__(self, token: str, *, exempt_services: Iterable[str] = (HEALTH_SERVICE,)) -> None:
-        self._digest = _digest(check_token(token))
+        self._token = BearerToken(token)
         self._exempt = frozenset(exempt_services)
 
     def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        presented = _presented_token(metadata)
-        # Always compare (a digest of nothing when absent), so a missing token costs the same.
-        ok = hmac.compare_digest(_digest(presented if presented is not None else b""), self._digest)
-        return ok and presented is not None
+        return self._token.accepts(_presented_token(metadata))
 
     async def intercept_service(
         self,
@@ -126,11 +78,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata
         if self.authorized(metadata):
             return await continuation(handler_call_details)
-        missing = _presented_token(metadata) is None
-        log.warning("refused %s: %s bearer token", method, "missing or malformed" if missing else "wrong")
-        message = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if missing
-                   else "invalid bearer token")
-        return _deny_handler(await continuation(handler_call_details), message)
+        presented = _presented_token(metadata)
+        log.warning("refused %s: %s bearer token", method, "missing or malformed" if presented is None else "wrong")
+        return _deny_handler(await continuation(handler_call_details), refusal(presented))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,8 +97,9 @@ class VisionService(pb_grpc.VisionServiceServicer):
                 dtype=dtype, num_rows=sum(e.num_tokens for e in encoding.embeddings), nbytes=len(data),
                 media_pad_id=engine.media_pad_id,
                 spans=[pb.ImageSpan(offset=s.offset, length=s.length, content_hash=e.content_hash,
-                                    grid_thw=list(e.grid_thw), ec_path=path)
-                       for s, e, path in zip(encoding.spans, encoding.embeddings, ec_paths, strict=True)],
+                                    grid_thw=list(e.grid_thw), ec_path=path, mm_hash=key)
+                       for s, e, path, key in zip(encoding.spans, encoding.embeddings, ec_paths, encoding.mm_hashes,
+                                                  strict=True)],
             ))
             for piece in convert.chunks(data):
                 yield pb.EncodeChunk(data=bytes(piece))

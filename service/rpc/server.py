@@ -1,5 +1,6 @@
-"""The gRPC server: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, plus health,
-reflection and metrics, around one `Engine`.
+"""The server: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, plus health,
+reflection and metrics, and optionally the OpenAI-compatible HTTP face (`service.http`), around one
+`Engine`. Both faces share its serving state, admission slots, limits, token and metrics.
 
 Request flow: an RPC is admitted (bounded: `max_concurrency` hold a slot, up to `max_queue` wait
 for one, anything more is `RESOURCE_EXHAUSTED`), its protobuf is turned into engine inputs
@@ -32,6 +33,8 @@ from grpc_reflection.v1alpha import reflection
 from service import errors
 from service.admission import Admission
 from service.engine import Engine, EngineConfig
+from service.http.app import HttpConfig, create_app
+from service.http.server import HttpServer
 from service.metrics import Metrics
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
@@ -59,6 +62,9 @@ class ServerConfig:
     # before every handler (e.g. authentication), in order.
     credentials: grpc.ServerCredentials | None = None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+    http_port: int | None = None  # the OpenAI-compatible HTTP face on this port (None: off; 0: any free port)
+    http: HttpConfig = HttpConfig()
+    tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files, for the HTTP face's TLS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +89,8 @@ class VisionServer:
         self.ready = asyncio.Event()
         self.draining = False
         self.load_error: BaseException | None = None
+        self.serving = False  # what health says (both faces)
+        self.http: HttpServer | None = None
         self._server: grpc.aio.Server | None = None
         self._warm_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -91,21 +99,27 @@ class VisionServer:
     # -- per-RPC wrapper ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """The serving state, then a work slot: what every request of every face goes through."""
+        if self.draining:
+            raise errors.Unavailable("server is draining; retry on another instance")
+        if self.load_error is not None:
+            raise errors.Unavailable("server failed to load its model (see the server log); use another instance")
+        if not self.ready.is_set():
+            raise errors.Unavailable("server is warming up; retry shortly")
+        async with self.admission.slot():
+            yield
+
+    @contextlib.asynccontextmanager
     async def call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """The serving state, admission, metrics and the error mapping around one RPC's body."""
+        """`admit`, metrics and the error mapping around one RPC's body."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            if self.draining:
-                raise errors.Unavailable("server is draining; retry on another instance")
-            if self.load_error is not None:
-                raise errors.Unavailable("server failed to load its model (see the server log); use another instance")
-            if not self.ready.is_set():
-                raise errors.Unavailable("server is warming up; retry shortly")
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise errors.DeadlineExceeded("deadline already passed")
-            async with self.admission.slot():
+            async with self.admit():
                 yield
         except (asyncio.CancelledError, GeneratorExit):
             remaining = context.time_remaining()
@@ -144,12 +158,18 @@ class VisionServer:
             raise OSError(f"cannot listen on {address}: {exc}") from None
         await server.start()
         self._server = server
+        if cfg.http_port is not None:
+            certfile, keyfile = cfg.tls_files or (None, None)
+            self.http = HttpServer(create_app(self, cfg.http), cfg.host, cfg.http_port, certfile=certfile,
+                                   keyfile=keyfile)
+            await self.http.start()
         if cfg.metrics_port is not None:
             self.metrics.serve_http(cfg.metrics_port, addr=cfg.host)
         self._warm_task = asyncio.create_task(self._warm())
         return self.port
 
     async def _set_health(self, status: int) -> None:
+        self.serving = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -206,6 +226,8 @@ class VisionServer:
         await self.stop(grace=max(0.0, deadline - time.monotonic()))
 
     async def stop(self, grace: float | None = 0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace)
         for task in (self._warm_task, self._watch_task):

@@ -317,18 +317,20 @@ class EncodeRequest(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., thinking_effort: _Optional[str] = ..., chat_kwargs_json: _Optional[str] = ..., dtype: _Optional[str] = ..., export_vllm_ec: _Optional[bool] = ...) -> None: ...
 
 class ImageSpan(_message.Message):
-    __slots__ = ("offset", "length", "content_hash", "grid_thw", "ec_path")
+    __slots__ = ("offset", "length", "content_hash", "grid_thw", "ec_path", "mm_hash")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     EC_PATH_FIELD_NUMBER: _ClassVar[int]
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     content_hash: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     ec_path: str
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., ec_path: _Optional[str] = ...) -> None: ...
+    mm_hash: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., content_hash: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., ec_path: _Optional[str] = ..., mm_hash: _Optional[str] = ...) -> None: ...
 
 class EncodeHeader(_message.Message):
     __slots__ = ("input_ids", "position_ids", "spans", "hidden_size", "dtype", "num_rows", "nbytes", "media_pad_id")

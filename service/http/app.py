@@ -1,0 +1,202 @@
+"""The OpenAI-compatible HTTP face (FastAPI): what vLLM's disaggregated-encoder proxy and OpenAI
+clients call, on the same engine, admission, limits, token and metrics as the gRPC face.
+
+- `POST /v1/chat/completions`: a chat with images (`data:` URLs; `http(s)` ones only with
+  `--allow-remote-images`) through the trunk, streamed as server-sent events with `stream: true`.
+  In EC producer mode (`--ec-role producer`) every image of the request is first encoded and
+  written under the key vLLM looks it up by; a request with `max_tokens: 1` (what vLLM's proxy
+  sends the encoder) is then answered at once with a valid `chat.completion`, without the trunk.
+- `GET /health`: 200 while the server serves, 503 while it warms up or drains (no token needed).
+- `GET /v1/models`: the served model names.
+
+Errors are OpenAI error objects with the status the one taxonomy gives (`service.errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from service.auth import BearerToken, presented_token, refusal
+from service.engine import Engine, GenerationResult
+from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
+from service.metrics import Metrics
+from service.openai.images import ImageFetcher
+from service.openai.request import ChatRequest, parse_chat_request
+from service.openai.response import Reply, chunk, completion, error_body, new_id
+
+log = logging.getLogger("kimi_vision.access")
+
+EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
+
+
+class Host(Protocol):
+    """What the HTTP face needs of the server it runs in (`service.rpc.server.VisionServer`)."""
+
+    engine: Engine
+    metrics: Metrics
+    serving: bool
+
+    def admit(self) -> AbstractAsyncContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    max_body_bytes: int = 64 << 20  # one request body (the gRPC face's message limit)
+    token: str | None = None  # bearer token required on /v1/* (None: open)
+    allow_remote_images: bool = False
+    ec_producer: bool = False  # --ec-role producer: export every request's images before replying
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
+    return JSONResponse(body, status_code=401)
+
+
+def _error(failure: Failure) -> JSONResponse:
+    return JSONResponse(error_body(failure), status_code=failure.rule.http)
+
+
+def create_app(host: Host, config: HttpConfig) -> FastAPI:
+    app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
+    token = BearerToken(config.token) if config.token else None
+
+    @app.middleware("http")
+    async def access(request: Request, call_next: Any) -> Response:
+        """Auth on /v1/*, then one access-log line and the metrics per request (never content)."""
+        start = time.perf_counter()
+        if token is not None and request.url.path.startswith("/v1/"):
+            presented = presented_token(request.headers.getlist("authorization"))
+            response = await call_next(request) if token.accepts(presented) else _unauthorized(refusal(presented))
+        else:
+            response = await call_next(request)
+        seconds = time.perf_counter() - start
+        route = f"{request.method} {request.url.path}"
+        host.metrics.observe(route, str(response.status_code), seconds)
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        log.info("%s peer=%s status=%d ms=%.1f in=%s", route, peer, response.status_code, seconds * 1e3,
+                 request.headers.get("content-length", "?"))
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        if host.serving:
+            return JSONResponse({"status": "serving"})
+        return JSONResponse({"status": "not serving"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        engine = host.engine
+        if engine is None:
+            return _error(Failure(Kind.UNAVAILABLE, "server is warming up; retry shortly"))
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kimi-vision", "root": engine.model_id,
+                 "parent": None} for name in engine.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        stack = contextlib.AsyncExitStack()
+        try:
+            body = await _json_body(request, config.max_body_bytes)
+            chat_request = parse_chat_request(body)
+            await stack.enter_async_context(host.admit())
+            engine = host.engine
+            if not engine.serves(chat_request.model):
+                raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
+                               f"{list(engine.served_model_names)}")
+            reply = await _answer(engine, chat_request, config, request.headers.get("x-request-id"))
+            if isinstance(reply, dict):
+                await stack.aclose()
+                return JSONResponse(reply)
+            first = await anext(reply)  # the prefill: its errors are still a status, not a broken stream
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error, in one place
+            await stack.aclose()
+            return _error(failure_for(exc))
+
+        async def events() -> AsyncIterator[str]:
+            async with stack:  # the slot is held until the stream ends
+                yield first
+                try:
+                    async for line in reply:
+                        yield line
+                except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
+                    yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
+                    yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body is {int(declared):,} bytes; the limit is {limit:,}")
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > limit:
+            raise TooLarge(f"the request body is over the {limit:,}-byte limit")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig,
+                  request_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+    """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
+    fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=config.allow_remote_images)
+    images = [await fetcher.fetch(part) for part in request.images]
+    chat = request.chat_input(images)
+    model = request.model or engine.served_model_names[0]
+    reply_id = new_id()
+    if config.ec_producer and chat.images:
+        encoding = await engine.encode(chat, export_dtype=EXPORT_DTYPE)
+        if request.max_tokens == 1:  # vLLM's proxy priming the encoder: the files are what it wanted
+            image_tokens = sum(e.num_tokens for e in encoding.embeddings)
+            reply = Reply()
+            reply.add(GenerationResult("length", len(encoding.input_ids), image_tokens, 0))
+            return completion(reply, model=model, request_id=reply_id)
+    params = engine.sampling(request.max_tokens, **request.sampling)
+    if not request.stream:
+        reply = Reply()
+        async with contextlib.aclosing(engine.generate(chat, params)) as items:
+            async for item in items:
+                reply.add(item)
+        return completion(reply, model=model, request_id=reply_id)
+    return _stream(engine, chat, params, model, reply_id, request.include_usage)
+
+
+async def _stream(engine: Engine, chat: Any, params: Any, model: str, reply_id: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    reply = Reply()
+
+    def sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async with contextlib.aclosing(engine.generate(chat, params)) as items:
+        started = False
+        async for item in items:
+            delta = reply.add(item)
+            if not started:  # the first event: the role, as OpenAI streams begin
+                started = True
+                yield sse(chunk({"role": "assistant", "content": ""}, model=model, request_id=reply_id,
+                                created=created))
+            if delta is not None:
+                yield sse(chunk(delta, model=model, request_id=reply_id, created=created))
+    yield sse(chunk({}, model=model, request_id=reply_id, created=created, finish_reason=reply.finish_reason))
+    if include_usage:
+        yield sse(chunk(None, model=model, request_id=reply_id, created=created, usage=reply.usage()))
+    yield "data: [DONE]\n\n"

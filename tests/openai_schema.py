@@ -1,0 +1,86 @@
+"""Pydantic models of the OpenAI chat-completions objects, written from the public API reference
+(https://platform.openai.com/docs/api-reference/chat/object and .../chat/streaming), for the tests to
+validate what the HTTP face sends. Strict where the reference is (`extra` fields allowed, as the
+API allows them: vLLM adds `reasoning`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class Choice(_Model):
+    index: int
+    message: Message
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
+class Usage(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(_Model):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(_Model):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChunkChoice(_Model):
+    index: int
+    delta: Delta
+    logprobs: dict | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"] | None
+
+
+class ChatCompletionChunk(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: str | None
+    code: int | str | None
+
+
+class ErrorResponse(_Model):
+    error: ErrorInfo
