@@ -97,18 +97,9 @@ def wait_serving(client, proc: subprocess.Popen, log: IO[str], timeout_s: float 
     raise SystemExit("server did not become SERVING in time")
 
 
-def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
-    """Interleaved runs; the order alternates every repeat so slow drifts hit both sides alike."""
-    import vision
-    from service.engine import EngineConfig
-    from service.engine.allocator import keep_freed_memory
-
-    keep_freed_memory(EngineConfig.keep_freed_bytes)  # the server process's allocator setting, here too
-    vision.preprocess_image(data)  # warm both sides once
-    client.preprocess(data)
-    calls = {"local": lambda: vision.preprocess_image(data), "rpc": lambda: client.preprocess(data),
-             "rpc_pixels": lambda: client.preprocess(data, return_pixels=True),
-             "transport": lambda: client.count_tokens(data)}
+def interleaved(calls: dict, repeats: int) -> dict[str, float]:
+    """min and median seconds of each call over `repeats` interleaved rounds; the order alternates
+    every round so slow drifts hit every call alike."""
     runs: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls)
     for i in range(repeats):
@@ -121,9 +112,23 @@ def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
     return out
 
 
+def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
+    import vision
+    from service.engine import EngineConfig
+    from service.engine.allocator import keep_freed_memory
+
+    keep_freed_memory(EngineConfig.keep_freed_bytes)  # the server process's allocator setting, here too
+    vision.preprocess_image(data)  # warm both sides once
+    client.preprocess(data)
+    calls = {"local": lambda: vision.preprocess_image(data), "rpc": lambda: client.preprocess(data),
+             "rpc_pixels": lambda: client.preprocess(data, return_pixels=True),
+             "transport": lambda: client.count_tokens(data)}
+    return interleaved(calls, repeats)
+
+
 def compare_producer(client, http_port: int, data: bytes, repeats: int) -> dict[str, float]:
     """The encoder's part of vLLM's EPD over HTTP (what the proxy sends) and over gRPC (Encode with
-    the export), interleaved with alternating order."""
+    the export), interleaved."""
     import base64
 
     import httpx
@@ -142,15 +147,7 @@ def compare_producer(client, http_port: int, data: bytes, repeats: int) -> dict[
         calls = {"http": over_http, "encode": lambda: client.encode(chat, dtype="bfloat16", export_vllm_ec=True)}
         for call in calls.values():
             call()  # warm
-        runs: dict[str, list[float]] = {name: [] for name in calls}
-        for i in range(repeats):
-            for name in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
-                t0 = time.perf_counter()
-                calls[name]()
-                runs[name].append(time.perf_counter() - t0)
-    out = {f"{name}_min": min(v) for name, v in runs.items()}
-    out.update({f"{name}_median": statistics.median(v) for name, v in runs.items()})
-    return out
+        return interleaved(calls, repeats)
 
 
 async def load(target: str, method: str, data: bytes, concurrency: int, seconds: float) -> dict[str, float]:
