@@ -231,7 +231,7 @@ def finish(output: Path, errors: Path | None = None) -> None:
         def rewrite(path: Path, wanted: Callable[[int], bool]) -> Path:
             tmp = _tmp(path)
             with open(tmp, "wb") as out:
-                for i in order.tolist():
+                for i in order:  # numpy ints, not a list: 8 bytes a row, not 36
                     if wanted(i):
                         out.write(os.pread(fd, lengths[i], offsets[i]))
                 out.flush()
