@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from service.batch.backends import EngineBackend, ServerBackend  # noqa: E402
 from service.batch.inputs import load_items  # noqa: E402
-from service.batch.runner import Job, JobSpec, RunOptions  # noqa: E402
+from service.batch.runner import Job, RunOptions  # noqa: E402
+from service.batch.spec import JobSpec  # noqa: E402
 
 
 def write_images(folder: Path, count: int, width: int, height: int) -> None:
@@ -50,10 +51,12 @@ def write_images(folder: Path, count: int, width: int, height: int) -> None:
 
 
 async def timed_job(spec: JobSpec, folder: Path, out: Path, backend, concurrency: int) -> float:
-    """Images/s of one job, writing its output as the CLI does."""
+    """Images/s of one job, writing its output as the CLI does (rows in the OpenAI Batch output
+    shape, put in input order when the job ends)."""
     options = RunOptions(concurrency=concurrency, tty=False, handle_sigint=False, log_every_s=1e9)
     start = time.perf_counter()
-    summary = await Job(spec, load_items(folder), out, backend, resume=False, options=options).run()
+    summary = await Job(spec, load_items(folder, spec), out, backend, resume=False, base_dir=folder,
+                        options=options).run()
     elapsed = time.perf_counter() - start
     if summary.ok != summary.inputs:
         raise RuntimeError(f"{out.name}: {summary.line(out)}")

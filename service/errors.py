@@ -159,11 +159,19 @@ def kind_of_grpc(code: grpc.StatusCode) -> Kind:
     return next((kind for kind, rule in RULES.items() if rule.grpc == code), Kind.INTERNAL)
 
 
-class RemoteError(ServiceError):
-    """A failure a server reported over gRPC; its kind is the one its status code stands for."""
+# The trailing metadata key under which a server names a failure's kind: several kinds share a
+# status code (bad input and too large are both INVALID_ARGUMENT), and a client that reports the
+# HTTP status (a batch row) needs the kind itself.
+KIND_METADATA = "kimi-vision-kind"
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self.kind = kind_of_grpc(code)
+
+class RemoteError(ServiceError):
+    """A failure a server reported over gRPC; its kind is the one the server named (`kind`, from
+    the trailing metadata) when that kind has this status code, else the one its code stands for."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, kind: str | None = None) -> None:
+        named = Kind(kind) if kind in set(Kind) else None
+        self.kind = named if named is not None and RULES[named].grpc == code else kind_of_grpc(code)
         # A retryable status says what happened to the call; a final one carries the server's
         # message, worded as the engine words it ("bad image: ..."), so rows read the same either way.
         super().__init__(f"server {code.name}: {details}" if RULES[self.kind].retry else details or code.name)

@@ -1,17 +1,16 @@
-"""`kimi-vision batch`: real images (good and bad), a real server on 127.0.0.1, real CLI processes.
+"""`kimi-vision batch`: real images (good and bad), a real server on 127.0.0.1, a real HTTP server for
+remote images, real CLI processes; every output line checked against the OpenAI Batch output schema.
 
 One server (the embedded default checkpoint: tiny random tower, trunk and tokenizer; one CPU
-encoder worker) serves the module. The in-process engine tests reuse that server's loaded `Engine`, so both modes run
-the same weights and their rows can be compared. A real `kimi-vision batch` process is stopped with
-Ctrl-C, then SIGKILLed part-way through its resume; the next `--resume` must leave every input in
-the output exactly once.
+encoder worker) serves the module. The in-process engine tests reuse that server's loaded `Engine`,
+so both modes run the same weights and their rows can be compared. A real `kimi-vision batch`
+process is stopped with Ctrl-C, then SIGKILLed part-way through its resume; the next `--resume`
+must leave every input in the output exactly once, in input order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import collections
 import json
 import os
 import shutil
@@ -23,15 +22,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from openai_batch import (
+    MIXED,
+    check_mixed_output,
+    comparable,
+    contents,
+    image_server,
+    validated_rows,
+    write_mixed_input,
+)
 from safetensors.numpy import load_file
 
 from service.batch.backends import EngineBackend, ServerBackend
-from service.batch.inputs import InputError, load_items
-from service.batch.journal import ResumeRefused, fingerprint_path, prepare, shard_dir
-from service.batch.runner import Job, JobSpec, RunOptions
+from service.batch.inputs import InputError, base_dir, load_items
+from service.batch.journal import ResumeRefused, fingerprint_path, finish, prepare, shard_dir
+from service.batch.runner import Job, RunOptions
+from service.batch.spec import JobSpec
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.engine.identity import checkpoint_fingerprint
+from service.openai.request import parse_chat_request
 from service.rpc.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +50,8 @@ pytestmark = pytest.mark.timeout(300)
 
 GOOD = ["photo.jpg", "grayscale.png", "sticker_rgba.png", "sub/deeper/palette.png"]
 BAD = ["sub/not_an_image.jpg", "truncated.png"]
+DIRECTORY_ORDER = ["grayscale.png", "photo.jpg", "sticker_rgba.png", "sub/deeper/palette.png",
+                   "sub/not_an_image.jpg", "truncated.png"]
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +83,23 @@ def server(checkpoint):
         yield handle
 
 
-def _rows(output: Path) -> list[dict]:
-    return [json.loads(line) for line in output.read_text().splitlines()]
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The mixed request file, its remote images on a real HTTP server on 127.0.0.1."""
+    folder = tmp_path_factory.mktemp("mixed")
+    with image_server(folder) as remote:
+        yield write_mixed_input(folder, remote)
 
 
-def _by_id(output: Path) -> dict[str, dict]:
-    rows = _rows(output)
-    counts = collections.Counter(r["custom_id"] for r in rows)
-    assert max(counts.values()) == 1, f"ids written more than once: {[k for k, n in counts.items() if n > 1]}"
-    return {r["custom_id"]: r for r in rows}
+def _options(concurrency: int) -> RunOptions:
+    return RunOptions(concurrency=concurrency, tty=False, handle_sigint=False)
 
 
-def _without_timings(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "timings"}
-
-
-def _run(spec: JobSpec, source, output: Path, backend, *, resume: bool = False, concurrency: int = 2):
+def _run(spec: JobSpec, source, output: Path, backend, *, resume: bool = False, concurrency: int = 2,
+         errors: Path | None = None):
     async def go():
-        job = Job(spec, load_items(source), output, backend, resume=resume,
-                  options=RunOptions(concurrency=concurrency, tty=False, handle_sigint=False))
+        job = Job(spec, load_items(source, spec), output, backend, resume=resume, base_dir=base_dir(source),
+                  errors=errors, options=_options(concurrency))
         summary = await job.run()
         assert job.bug is None, summary.aborted
         return summary
@@ -97,12 +107,12 @@ def _run(spec: JobSpec, source, output: Path, backend, *, resume: bool = False, 
     return asyncio.run(go())
 
 
-def _server_run(target: str, spec: JobSpec, source, output: Path, **kwargs):
+def _server_run(target: str, spec: JobSpec, source, output: Path, *, resume: bool = False, concurrency: int = 4):
     async def go():
         backend = await ServerBackend.connect(target)
         try:
-            job = Job(spec, load_items(source), output, backend, resume=kwargs.get("resume", False),
-                      options=RunOptions(concurrency=kwargs.get("concurrency", 4), tty=False, handle_sigint=False))
+            job = Job(spec, load_items(source, spec), output, backend, resume=resume, base_dir=base_dir(source),
+                      options=_options(concurrency))
             return await job.run()
         finally:
             await backend.close()
@@ -116,55 +126,92 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs
+# Inputs: every line an item, in input order
 
 
-def test_inputs_directory_jsonl_and_list(images, tmp_path):
-    ids = [item.custom_id for item in load_items(images)]
-    assert sorted(ids) == sorted(GOOD + BAD)  # recursive, by extension, `/`-separated, notes.txt skipped
+def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
+    caption = JobSpec("caption")
+    items = load_items(images, caption)
+    assert [i.custom_id for i in items] == DIRECTORY_ORDER  # recursive, sorted, `/`-separated, notes.txt skipped
+    assert [i.line for i in items] == list(range(1, 7)) and not items[0].numbered
+    # A directory's image becomes the request a JSONL line would carry: the image, then the task prompt.
+    assert items[0].request == {"custom_id": "grayscale.png", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": [{"role": "user", "content": [
+                                    {"type": "image_url", "image_url": {"url": str(images / "grayscale.png")}},
+                                    {"type": "text", "text": caption.effective_prompt}]}]}}
+    assert parse_chat_request(items[0].request["body"]).images[0].url == str(images / "grayscale.png")
+    embed = load_items(images, JobSpec("embed"))[0].request
+    assert embed["url"] == "/v1/embeddings" and len(embed["body"]["messages"][0]["content"]) == 1
 
     listing = tmp_path / "paths.txt"
     listing.write_text(f"# comment\n{images / 'photo.jpg'}\n\nrel/one.png\n")
-    items = load_items(listing)
-    assert [i.custom_id for i in items] == [(images / "photo.jpg").as_posix(), "rel/one.png"]
-    assert items[1].images[0].path == str(tmp_path / "rel" / "one.png")
+    items = load_items(listing, caption)
+    assert [(i.custom_id, i.line) for i in items] == [((images / "photo.jpg").as_posix(), 2), ("rel/one.png", 4)]
 
-    bad = tmp_path / "bad.jsonl"
-    for text, message in [
-        ('{"custom_id": "a", "body": {"messages": []}}', "bad.jsonl:1: body.messages must be a non-empty list"),
-        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}\n{"oops"',
-         "bad.jsonl:2: not valid JSON"),
-        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}\n' * 2,
-         "custom_id 'a' appears more than once"),
-        ('{"custom_id": "a", "body": {"messages": [{"role": "user", "content": [{"type": "image_url", '
-         '"image_url": {"url": "https://example.com/x.png"}}]}]}}', "remote image URLs are not fetched"),
-    ]:
-        bad.write_text(text)
-        with pytest.raises(InputError, match=message.replace("(", r"\(")):
-            load_items(bad)
-    with pytest.raises(InputError, match="no such file or directory"):
-        load_items(tmp_path / "nope")
+    source = tmp_path / "requests.jsonl"
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "line\u2028separator inside a string"}]}}
+    source.write_bytes(b"\n".join([json.dumps(good, ensure_ascii=False).encode(), b"", b"{oops", b"[1, 2]",
+                                   b'{"custom_id": 5}', b'{"custom_id": "a"}', b"\xff\xfe not UTF-8"]) + b"\n")
+    items = load_items(source, caption)
+    assert [(i.custom_id, i.line) for i in items] == [("a", 1), ("<line 3>", 3), ("<line 4>", 4), ("<line 5>", 5),
+                                                      ("<line 6>", 6), ("<line 7>", 7)]
+    assert items[0].request == good and items[0].problem is None
+    assert [i.problem.split(" (")[0] for i in items[1:]] == [
+        "not valid JSON: Expecting property name enclosed in double quotes",
+        "a line must be a JSON object", "custom_id must be a non-empty string, got 5",
+        "custom_id 'a' is already the id of line 1; ids must be unique", "not UTF-8 text"]
+
+    for path, message in [(tmp_path / "nope", "no such file or directory"), (tmp_path / "empty.jsonl", "no inputs")]:
+        if path.suffix:
+            path.write_text("\n\n")
+        with pytest.raises(InputError, match=message):
+            load_items(path, caption)
 
 
 # ---------------------------------------------------------------------------------------------
-# The journal: torn last line, transient failures, fingerprint
+# The journal: torn last line, transient failures, the errors file, input order, fingerprint
 
 
-def test_resume_drops_a_torn_last_line_and_transient_failures(tmp_path):
-    output = tmp_path / "out.jsonl"
+def _row(custom_id: str, line: int, status: int = 200, code: str | None = None, body: dict | None = None) -> dict:
+    error = None if status == 200 else {"code": code, "message": f"{code} happened"}
+    return {"id": f"r{line}", "custom_id": custom_id, "response": {"status_code": status, "request_id": "q",
+                                                                   "body": body or {"object": "chat.completion"}
+                                                                   if status == 200 else None},
+            "error": error, "kimi_vision": {"line": line, "timings": {}}}
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_journal_resume_input_order_and_the_errors_file(tmp_path):
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     fp = {"format": "x", "task": "caption"}
     prepare(output, fp, resume=False)
-    rows = [{"custom_id": "a", "status": "ok", "text": "A"},
-            {"custom_id": "b", "status": "error", "error": "bad image", "transient": False},
-            {"custom_id": "c", "status": "error", "error": "server: UNAVAILABLE", "transient": True}]
+    rows = [_row("c", 3), _row("a", 1, 400, "bad_input"), _row("b", 2, 503, "unavailable")]
     output.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"custom_id": "d", "sta')
     prior = prepare(output, fp, resume=True)
-    assert prior.done == {"a", "b"} and prior.torn and prior.retrying == 1
-    assert [r["custom_id"] for r in _rows(output)] == ["a", "b"]  # rewritten whole, ends with a newline
-    assert output.read_bytes().endswith(b"\n")
+    assert prior.done == {"a", "c"} and prior.torn and prior.retrying == 1  # 503: its kind is retried
+    assert [r["custom_id"] for r in _lines(output)] == ["c", "a"] and output.read_bytes().endswith(b"\n")
 
+    # Every line has its row: finish puts them in input order; with an errors file, failures move there.
+    with output.open("a") as f:
+        f.write(json.dumps(_row("b", 2)) + "\n")
+    finish(output)
+    assert [r["custom_id"] for r in _lines(output)] == ["a", "b", "c"]
+    finish(output, errors)
+    assert [r["custom_id"] for r in _lines(output)] == ["b", "c"] and [r["custom_id"] for r in _lines(errors)] == ["a"]
+
+    # A resume takes the failed rows back (and a crash between finish's two renames, which leaves
+    # them in both files, counts them once).
     with pytest.raises(ResumeRefused, match="already holds results; pass --resume"):
-        prepare(output, fp, resume=False)
+        prepare(output, fp, resume=False, errors=errors)
+    with output.open("a") as f:
+        f.write(json.dumps(_row("a", 1, 400, "bad_input")) + "\n")
+    prior = prepare(output, fp, resume=True, errors=errors)
+    assert (prior.ok, prior.errors, prior.dropped) == (2, 1, 1) and not errors.exists()
+    assert sorted(r["custom_id"] for r in _lines(output)) == ["a", "b", "c"]
     with pytest.raises(ResumeRefused, match=r"options differ .*task: was \"caption\", now \"ocr\""):
         prepare(output, {"format": "x", "task": "ocr"}, resume=True)
 
@@ -174,18 +221,22 @@ def test_resume_drops_a_torn_last_line_and_transient_failures(tmp_path):
     (shards / "shard-00001.safetensors").write_bytes(b"kept")
     (shards / "shard-00002.safetensors").write_bytes(b"orphan: written just before a crash, rows never were")
     (shards / ".shard-00003.safetensors.tmp").write_bytes(b"cut short")
-    embedded = [{"custom_id": "e1", "status": "ok", "embedding": {"file": f"{output.name}.embeddings/shard-00001"
-                                                                         ".safetensors", "key": "e1"}},
-                {"custom_id": "e2", "status": "ok", "embedding": {"file": f"{output.name}.embeddings/gone"
-                                                                         ".safetensors", "key": "e2"}}]
+    (tmp_path / f".{output.name}.999.tmp").write_bytes(b"a reorder cut short by a crash")
+
+    def embedding(custom_id: str, line: int, file: str) -> dict:
+        body = {"object": "embedding.safetensors", "embedding": {"file": f"{output.name}.embeddings/{file}"}}
+        return _row(custom_id, line, body=body)
+
     with output.open("a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in embedded))
+        f.write(json.dumps(embedding("e1", 4, "shard-00001.safetensors")) + "\n")
+        f.write(json.dumps(embedding("e2", 5, "gone.safetensors")) + "\n")
     prior = prepare(output, fp, resume=True)
-    assert prior.done == {"a", "b", "e1"} and prior.retrying == 1
+    assert prior.done == {"a", "b", "c", "e1"} and prior.retrying == 1
     assert sorted(p.name for p in shards.iterdir()) == ["shard-00001.safetensors"]
+    assert not list(tmp_path.glob(".*.tmp"))
 
     # Anything but a last line that is not a row means someone else edited the file: refuse.
-    output.write_text('{"custom_id": "a", "status": "ok"}\nnot json\n{"custom_id": "b", "status": "ok"}\n')
+    output.write_text(json.dumps(_row("a", 1)) + "\nnot json\n" + json.dumps(_row("b", 2)) + "\n")
     with pytest.raises(ResumeRefused, match="line 2 of .* is not a result row"):
         prepare(output, fp, resume=True)
 
@@ -195,7 +246,52 @@ def test_resume_drops_a_torn_last_line_and_transient_failures(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Through a real server, and in-process on the same engine
+# The mixed request file, in-process and through a real server
+
+
+def test_mixed_requests_in_process_and_through_a_server(server, mixed, tmp_path):
+    """Data URLs, paths, a remote URL, a bad and a too-large image, a malformed line, an unsupported
+    parameter, another model, sampling: one row per line, in input order, the same on both engines."""
+    spec = JobSpec("caption", allow_remote_images=True)
+    local_out, local_errors = tmp_path / "local.jsonl", tmp_path / "local-errors.jsonl"
+    summary = _run(spec, mixed, local_out, EngineBackend(server.engine), concurrency=4, errors=local_errors)
+    ok = sum(status == 200 for _, status, _ in MIXED)
+    assert (summary.ok, summary.errors, summary.transient, summary.exit_code) == (ok, len(MIXED) - ok, 0, 0)
+    # --errors splits the failed lines out, each file in input order.
+    rows = validated_rows(local_out) + validated_rows(local_errors)
+    assert all(r["response"]["status_code"] == 200 for r in validated_rows(local_out))
+    merged = tmp_path / "merged.jsonl"
+    merged.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["kimi_vision"]["line"])))
+    local = check_mixed_output(merged)
+    assert [r["kimi_vision"]["line"] for r in validated_rows(local_errors)] == sorted(
+        r["kimi_vision"]["line"] for r in validated_rows(local_errors))
+
+    server_out = tmp_path / "server.jsonl"
+    summary = _server_run(server.target, spec, mixed, server_out)
+    assert summary.exit_code == 0
+    via_server = check_mixed_output(server_out)
+    assert [comparable(r) for r in via_server] == [comparable(r) for r in local]  # byte-identical bar ids, times
+
+    # prompt_tokens is the prompt after media_pad expansion, as the engine counts it.
+    greedy = next(item for item in load_items(mixed, spec) if item.custom_id == "greedy")
+    request = parse_chat_request(greedy.request["body"])
+    chat = request.chat_input([(mixed.parent / "gray.png").read_bytes()])
+    chat.kwargs = {"thinking": False}
+    counted = asyncio.run(server.engine.count_chat_tokens(chat))
+    usage = next(r for r in local if r["custom_id"] == "greedy")["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == counted.total > counted.image_tokens[0] > 0
+
+    # --ignore-model runs the line that names another model; without --allow-remote-images a remote
+    # image is that line's error.
+    strict = _run(JobSpec("caption"), mixed, tmp_path / "strict.jsonl", EngineBackend(server.engine), concurrency=4)
+    assert strict.ok == ok - 1
+    remote = next(r for r in validated_rows(tmp_path / "strict.jsonl") if r["custom_id"] == "remote")
+    assert "remote image URLs are not fetched unless the server or job runs with --allow-remote-images" in \
+        remote["error"]["message"]
+    one = tmp_path / "one.jsonl"
+    one.write_text(mixed.read_text().splitlines()[12] + "\n")
+    _run(JobSpec("caption", ignore_model=True), one, tmp_path / "ignored.jsonl", EngineBackend(server.engine))
+    assert list(contents(tmp_path / "ignored.jsonl")) == ["other-model"]
 
 
 def test_caption_folder_with_bad_images_server_and_local_agree(server, images, tmp_path):
@@ -203,57 +299,52 @@ def test_caption_folder_with_bad_images_server_and_local_agree(server, images, t
     via_server = tmp_path / "server.jsonl"
     summary = _server_run(server.target, spec, images, via_server)
     assert (summary.ok, summary.errors, summary.transient, summary.exit_code) == (len(GOOD), len(BAD), 0, 0)
-    rows = _by_id(via_server)
-    assert sorted(rows) == sorted(GOOD + BAD)
-    for name in GOOD:
-        row = rows[name]
-        assert row["status"] == "ok" and row["error"] is None and isinstance(row["text"], str)
-        assert row["tokens"]["completion"] == 6 and row["finish_reason"] == "length"
-        assert row["tokens"]["image"] > 0 and row["tokens"]["prompt"] > row["tokens"]["image"]
-    assert "bad image" in rows["sub/not_an_image.jpg"]["error"] and rows["truncated.png"]["status"] == "error"
-    assert rows["truncated.png"]["transient"] is False
+    rows = validated_rows(via_server)
+    assert [r["custom_id"] for r in rows] == DIRECTORY_ORDER
+    for row in rows:
+        if row["custom_id"] in GOOD:
+            body = row["response"]["body"]
+            assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["finish_reason"] == "length"
+            assert body["model"] == server.engine.model_id and body["choices"][0]["message"]["reasoning"] is None
+        else:  # a directory's lines are named by their custom_id, not a line number
+            assert row["error"]["code"] == "bad_input" and row["error"]["message"].startswith("bad image: ")
 
     in_process = tmp_path / "local.jsonl"
     _run(spec, images, in_process, EngineBackend(server.engine))
-    local = _by_id(in_process)
-    assert {k: _without_timings(v) for k, v in local.items()} == {k: _without_timings(v) for k, v in rows.items()}
+    assert [comparable(r) for r in validated_rows(in_process)] == [comparable(r) for r in rows]
     # Local and server name the same model, so either may resume the other's output.
     assert json.loads(fingerprint_path(in_process).read_text()) == json.loads(fingerprint_path(via_server).read_text())
 
 
-def test_jsonl_input_through_the_server(server, tmp_path):
-    photo = (SAMPLES / "sticker_rgba.png").read_bytes()
-    data_url = "data:image/png;base64," + base64.b64encode(photo).decode()
+def test_embedding_lines(server, tmp_path):
+    """/v1/embeddings lines (vLLM's multimodal form) into shards; text input and chat lines refused."""
     shutil.copy(SAMPLES / "grayscale.png", tmp_path / "gray.png")
-    lines = [
-        {"custom_id": "inline", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": [
-             {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "What is red?"}]}],
-             "max_tokens": 3}},
-        {"custom_id": "by-path", "body": {"messages": [
-            {"role": "system", "content": "You describe images."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "gray.png"}}]}]}},
-        {"custom_id": "two-images", "body": {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "and"},
-            {"type": "image_url", "image_url": {"url": "gray.png"}}]}]}},
-        {"custom_id": "broken-base64", "body": {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}},
-    ]
-    source = tmp_path / "requests.jsonl"
+    image = [{"type": "image_url", "image_url": {"url": "gray.png"}}]
+    lines = [{"custom_id": "img", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": server.engine.model_id, "messages": [{"role": "user", "content": image}],
+                       "encoding_format": "float"}},
+             {"custom_id": "text", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello"}},
+             {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": image}]}},
+             {"custom_id": "two", "url": "/v1/embeddings",
+              "body": {"messages": [{"role": "user", "content": [*image, {"type": "text", "text": "and"}]}]}}]
+    source = tmp_path / "embed.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     output = tmp_path / "out.jsonl"
-    summary = _server_run(server.target, JobSpec("ocr", max_new_tokens=5), source, output)
-    assert (summary.ok, summary.errors) == (3, 1)
-    rows = _by_id(output)
-    assert rows["inline"]["tokens"]["completion"] == 3  # the row's own max_tokens wins
-    assert rows["by-path"]["tokens"]["completion"] == 5
-    assert rows["two-images"]["tokens"]["image"] == rows["inline"]["tokens"]["image"] + rows["by-path"]["tokens"][
-        "image"]
-    assert "base64" in rows["broken-base64"]["error"] and rows["broken-base64"]["transient"] is False
+    summary = _run(JobSpec("embed"), source, output, EngineBackend(server.engine))
+    assert (summary.ok, summary.errors) == (1, 3)
+    img, text, chat, two = validated_rows(output)
+    ref = img["response"]["body"]["embedding"]
+    tensor = load_file(str(output.parent / ref["file"]))[ref["key"]]
+    assert ref["key"] == "img" and list(tensor.shape) == ref["shape"] == [
+        img["response"]["body"]["usage"]["prompt_tokens"], server.engine.hidden_size]
+    assert "text embeddings are not served" in text["error"]["message"]
+    assert "this is an embedding job (--task embed)" in chat["error"]["message"]
+    assert "exactly one image_url part and nothing else" in two["error"]["message"]
 
 
 def test_transient_failures_are_recorded_then_retried_by_resume(server, images, tmp_path):
-    """A server that goes away mid-job: its items become transient rows (exit 75), too many in a
+    """A server that goes away mid-job: its lines become transient rows (503, exit 75), too many in a
     row stop the job (exit 1), and --resume on a healthy server redoes exactly those."""
     spec = JobSpec("embed")
     output = tmp_path / "out.jsonl"
@@ -266,13 +357,15 @@ def test_transient_failures_are_recorded_then_retried_by_resume(server, images, 
         try:
             options = RunOptions(concurrency=1, retries=1, backoff_s=0.01, max_consecutive_transient=max_consecutive,
                                  tty=False, handle_sigint=False)
-            return await Job(spec, load_items(images), output, backend, resume=True, options=options).run()
+            return await Job(spec, load_items(images, spec), output, backend, resume=True, base_dir=images,
+                             options=options).run()
         finally:
             await backend.close()
 
     summary = asyncio.run(against_a_vanishing_server(None))
     assert (summary.ok, summary.transient, summary.exit_code) == (0, len(GOOD + BAD), 75)
-    assert all(r["transient"] and r["error"].startswith("server UNAVAILABLE") for r in _rows(output))
+    assert all(r["response"]["status_code"] == 503 and r["error"]["code"] == "unavailable"
+               and r["error"]["message"].startswith("server UNAVAILABLE") for r in validated_rows(output))
     assert "rerun with --resume to retry the transient failures" in summary.line(output)
 
     output.unlink()
@@ -282,7 +375,7 @@ def test_transient_failures_are_recorded_then_retried_by_resume(server, images, 
     summary = _server_run(server.target, spec, images, output, resume=True)
     assert summary.prior.retrying == 2 and summary.skipped == 0
     assert (summary.ok, summary.errors, summary.transient, summary.exit_code) == (len(GOOD), len(BAD), 0, 0)
-    assert sorted(_by_id(output)) == sorted(GOOD + BAD)
+    assert [r["custom_id"] for r in validated_rows(output)] == DIRECTORY_ORDER
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -298,15 +391,17 @@ def _wait_for_rows(proc: subprocess.Popen, output: Path, rows: int) -> None:
         time.sleep(0.02)
 
 
-def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once(server, tmp_path):
+def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once_in_input_order(server, tmp_path):
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(15):
         shutil.copy(SAMPLES / ("sticker_rgba.png" if i % 2 else "grayscale.png"), folder / f"img{i:02d}.png")
-    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    output = tmp_path / "out.jsonl"
-    args = ["--task", "caption", "--input", str(folder), "--output", str(output), "--server", server.target,
-            "--concurrency", "1", "--max-new-tokens", "8"]
+    # Right after img07.png: with two lines in flight its error row is written before img07's row.
+    (folder / "img07b.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    names = sorted(p.name for p in folder.iterdir())
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    args = ["--task", "caption", "--input", str(folder), "--output", str(output), "--errors", str(errors),
+            "--server", server.target, "--concurrency", "2", "--max-new-tokens", "8"]
 
     # Ctrl-C: stops cleanly (whole rows only, exit 130, says how to finish).
     proc = _start(args)
@@ -314,9 +409,9 @@ def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once(server, t
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
-    assert "interrupted: rerun with --resume" in stdout
+    assert "interrupted (rows in completion order until it finishes): rerun with --resume" in stdout
     after_ctrl_c = output.read_bytes()
-    assert after_ctrl_c.endswith(b"\n") and 2 <= after_ctrl_c.count(b"\n") < 16
+    assert after_ctrl_c.endswith(b"\n") and 2 <= after_ctrl_c.count(b"\n") < 16 and not errors.exists()
 
     # kill -9 part-way through the resumed job.
     proc = _start([*args, "--resume"])
@@ -335,9 +430,16 @@ def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once(server, t
     resumed = _cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"{written} already done" in resumed.stdout and "gibberish" in resumed.stdout
-    rows = _by_id(output)  # asserts no id twice
-    assert sorted(rows) == sorted([f"img{i:02d}.png" for i in range(15)] + ["broken.png"])
-    assert rows["broken.png"]["status"] == "error" and sum(r["status"] == "ok" for r in rows.values()) == 15
+    ok, failed = validated_rows(output), validated_rows(errors)  # each asserts no id twice
+    assert [r["custom_id"] for r in ok] == [n for n in names if n != "img07b.png"]  # in input order
+    assert [r["custom_id"] for r in failed] == ["img07b.png"] and failed[0]["response"]["status_code"] == 400
+    assert sorted(contents(output)) == sorted(n for n in names if n != "img07b.png")
+
+    # Resuming the finished job runs nothing, takes the failed line back and splits it out again.
+    done = _cli(*args, "--resume")
+    assert done.returncode == 0 and "16 already done; 0 processed" in done.stdout, done.stderr
+    assert [comparable(r) for r in validated_rows(output)] == [comparable(r) for r in ok]
+    assert [comparable(r) for r in validated_rows(errors)] == [comparable(r) for r in failed]
 
 
 def test_progress_bar_on_a_tty_and_log_lines_otherwise():
@@ -373,27 +475,29 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
     done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--devices", "cpu:1")
     assert done.returncode == 0, done.stderr
     assert f"{len(GOOD)} ok, {len(BAD)} errors" in done.stdout
-    rows = _by_id(output)
-    assert sorted(rows) == sorted(GOOD + BAD)
+    rows = validated_rows(output)
+    assert [r["custom_id"] for r in rows] == DIRECTORY_ORDER
     fp = json.loads(fingerprint_path(output).read_text())
     assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(checkpoint)
 
     via_server = tmp_path / "server.jsonl"
     _server_run(server.target, JobSpec("embed"), images, via_server)
-    reference = _by_id(via_server)
-    for name in GOOD:
-        row = rows[name]
-        emb = row["embedding"]
-        tensor = load_file(str(output.parent / emb["file"]))[emb["key"]]
-        assert list(tensor.shape) == emb["shape"] == [row["tokens"]["image"], 64] and emb["key"] == name
-        ref = reference[name]["embedding"]
-        expected = load_file(str(via_server.parent / ref["file"]))[ref["key"]]
-        np.testing.assert_array_equal(tensor, expected)  # one path: the same rows, bit for bit
-        assert row["grid_thw"] == reference[name]["grid_thw"]
-    for name in BAD:  # decoded in an encoder worker here, in the server's process there: the same row
-        assert rows[name]["status"] == "error" and "embedding" not in rows[name]
-        assert rows[name]["error"] == reference[name]["error"] and rows[name]["error"].startswith("bad image: ")
+    reference = validated_rows(via_server)
+    assert [comparable(r) for r in rows] == [comparable(r) for r in reference]
+    for row, ref in zip(rows, reference, strict=True):
+        if row["custom_id"] in GOOD:
+            emb, ref_emb = row["response"]["body"]["embedding"], ref["response"]["body"]["embedding"]
+            tensor = load_file(str(output.parent / emb["file"]))[emb["key"]]
+            assert list(tensor.shape) == emb["shape"] == [row["response"]["body"]["usage"]["prompt_tokens"], 64]
+            expected = load_file(str(via_server.parent / ref_emb["file"]))[ref_emb["key"]]
+            np.testing.assert_array_equal(tensor, expected)  # one path: the same rows, bit for bit
+        else:  # decoded in an encoder worker here, in the server's process there: the same row
+            assert row["error"]["message"].startswith("bad image: ")
     assert [p.name for p in shard_dir(output).iterdir()] == ["shard-00001.safetensors"]
 
     usage = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--prompt", "x")
     assert usage.returncode == 2 and "do not apply to --task embed" in usage.stderr
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("{}\n")
+    usage = _cli("--task", "caption", "--input", str(jsonl), "--output", str(output), "--prompt", "x")
+    assert usage.returncode == 2 and "a JSONL line's prompt is its own messages" in usage.stderr

@@ -22,7 +22,8 @@ from safetensors.numpy import load_file
 from service.batch.backends import EngineBackend, ServerBackend
 from service.batch.inputs import load_items
 from service.batch.ray_engine import run_ray_job
-from service.batch.runner import Job, JobSpec, RunOptions
+from service.batch.runner import Job, RunOptions
+from service.batch.spec import JobSpec
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import Engine, EngineConfig, ImageInput
 from service.rpc.client import VisionClient
@@ -62,13 +63,16 @@ def reference(engine, folder) -> dict[str, np.ndarray]:
     return {name: e.rows.numpy() for name, e in zip(NAMES, asyncio.run(embed()), strict=True)}
 
 
+EMBED = JobSpec("embed")
+
+
 def _shard_rows(output: Path) -> dict[str, np.ndarray]:
     import json
 
     rows = {}
     for line in output.read_text().splitlines():
         row = json.loads(line)
-        emb = row["embedding"]
+        emb = row["response"]["body"]["embedding"]
         rows[row["custom_id"]] = load_file(str(output.parent / emb["file"]))[emb["key"]]
     return rows
 
@@ -76,7 +80,8 @@ def _shard_rows(output: Path) -> dict[str, np.ndarray]:
 def _job(backend, folder: Path, output: Path) -> dict[str, np.ndarray]:
     async def run() -> None:
         options = RunOptions(concurrency=2, tty=False, handle_sigint=False)
-        summary = await Job(JobSpec("embed"), load_items(folder), output, backend, resume=False, options=options).run()
+        summary = await Job(EMBED, load_items(folder, EMBED), output, backend, resume=False, base_dir=folder,
+                            options=options).run()
         assert summary.ok == len(NAMES), summary.line(output)
 
     asyncio.run(run())
@@ -103,8 +108,8 @@ def test_batch_in_process_and_through_a_server(checkpoint, engine, folder, refer
         backend = await ServerBackend.connect(target)
         try:
             options = RunOptions(concurrency=2, tty=False, handle_sigint=False)
-            await Job(JobSpec("embed"), load_items(folder), tmp_path / "server.jsonl", backend, resume=False,
-                      options=options).run()
+            await Job(EMBED, load_items(folder, EMBED), tmp_path / "server.jsonl", backend, resume=False,
+                      base_dir=folder, options=options).run()
         finally:
             await backend.close()
 
@@ -117,8 +122,8 @@ def test_batch_on_ray(checkpoint, folder, reference, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         output = tmp_path / "ray.jsonl"
-        summary = run_ray_job(JobSpec("embed"), load_items(folder), output, resume=False, checkpoint=checkpoint,
-                              concurrency=1, options=RunOptions(tty=False))
+        summary = run_ray_job(EMBED, load_items(folder, EMBED), output, resume=False, checkpoint=checkpoint,
+                              base_dir=folder, concurrency=1, options=RunOptions(tty=False))
         assert summary.ok == len(NAMES)
     finally:
         ray.shutdown()

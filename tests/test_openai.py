@@ -52,8 +52,11 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     ({"n": 2}, Unsupported, "n=2 is not supported"),
     ({"stop": ["\n"]}, Unsupported, "stop="),
     ({"frequency_penalty": 0.5}, Unsupported, "frequency_penalty=0.5"),
-    ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer >= 1"),
+    ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer from 1 to"),
     ({"temperature": "hot"}, BadRequest, "temperature must be a number"),
+    ({"temperature": -0.5}, BadRequest, r"temperature must be in \[0, inf\], got -0.5"),
+    ({"top_p": 0}, BadRequest, r"top_p must be in \(0, 1\], got 0"),
+    ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):

@@ -104,7 +104,6 @@ def test_vllm_encoder_cache_layout(tmp_path):
 def test_error_taxonomy_is_one_table():
     """Every failure has a kind; the kind alone decides the gRPC code, the HTTP status and whether a
     batch job retries it."""
-    from service.batch.inputs import ItemError
     from service.engine.pool import EncodeError, PoolClosedError, WorkerDiedError
     from textcore.chat import ChatError
     from vision.errors import ImageDecodeError, ImageOptionsError, ImageTooLargeError, UnsupportedMediaError
@@ -127,11 +126,15 @@ def test_error_taxonomy_is_one_table():
         (WorkerDiedError("died"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
         (PoolClosedError("closed"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
         (EncodeError("boom"), K.INTERNAL, G.INTERNAL, 500, True),
-        (ItemError("no such file", transient=False), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
-        (ItemError("NFS hiccup", transient=True), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
         (TimeoutError(), K.DEADLINE, G.DEADLINE_EXCEEDED, 504, True),
         (errors.RemoteError(G.INVALID_ARGUMENT, "bad image: x"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400, False),
         (errors.RemoteError(G.UNKNOWN, "?"), K.INTERNAL, G.INTERNAL, 500, True),
+        # The kind a server names in its trailing metadata, when it has that status code.
+        (errors.RemoteError(G.INVALID_ARGUMENT, "too big", kind="too_large"), K.TOO_LARGE, G.INVALID_ARGUMENT, 413,
+         False),
+        (errors.RemoteError(G.UNAVAILABLE, "x", kind="too_large"), K.UNAVAILABLE, G.UNAVAILABLE, 503, True),
+        (errors.RemoteError(G.INVALID_ARGUMENT, "x", kind="no such kind"), K.BAD_INPUT, G.INVALID_ARGUMENT, 400,
+         False),
     ]
     for exc, kind, code, http, retry in cases:
         failure = errors.classify(exc)

@@ -1,9 +1,13 @@
-"""`kimi-vision batch`: caption, OCR or embed many images with progress and exactly-once resume.
+"""`kimi-vision batch`: caption, OCR or embed many images with progress and exactly-once resume,
+reading and writing the OpenAI Batch format.
 
-- `inputs`: directory / OpenAI-batch JSONL / path list -> `Item`s with unique `custom_id`s.
-- `journal`: the output JSONL (whole-line appends), the job fingerprint, resume.
+- `spec`: what a job computes (`JobSpec`) and its fingerprint.
+- `inputs`: OpenAI-batch JSONL / directory / path list -> `Item`s (one per line, in input order).
+- `requests`: an item's request, checked (the envelope, a chat-completions or embeddings body).
+- `rows`: the output line (OpenAI Batch output shape, as vLLM's `run_batch` writes it).
+- `journal`: the output JSONL (whole-line appends), the fingerprint, resume, the final input order.
 - `shards`: embedding safetensors shards beside the output.
-- `backends`: the engine in this process, or a server over gRPC.
-- `runner`: the job (`JobSpec`, `ItemRunner`, `Job`, rows, `Summary`); `progress`: bar or log lines.
-- `ray_engine`: the same items and rows on Ray Data, an engine in each actor.
+- `backends`: the engine in-process, or a server over gRPC.
+- `runner`: `ItemRunner` (a line -> its row), `Recorder`, `Job`, `Summary`; `progress`: bar or log lines.
+- `ray_engine`: the same lines and rows on Ray Data, an engine in each actor.
 """

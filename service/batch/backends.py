@@ -1,15 +1,18 @@
 """Where a batch job's model work runs: in this process (`EngineBackend`, the engine) or on a
-running server over gRPC (`ServerBackend`). Both answer the same two questions,
-`caption(messages, images, max_new_tokens)` and `embed(image)`, raise failures with a kind of the
-service's taxonomy (the runner classifies them with `service.errors.classify`), and name their
-model (`identity`: the checkpoint fingerprint, the same in both, so a job may be resumed in either
-mode). The Ray engine runs an `EngineBackend` inside each of its actors.
+running server over gRPC (`ServerBackend`). Both answer the same questions, `generate(chat,
+max_new_tokens, sampling)` (a `service.openai.response.Reply`) and `embed(image)`, raise failures
+with a kind of the service's taxonomy (the runner classifies them with `service.errors.classify`),
+name their model the same way (`identity`: the checkpoint fingerprint, so a job may be resumed in
+either mode; `serves(model)` and `model_name`, the first served name, as vLLM names it in replies).
+The Ray engine runs an `EngineBackend` inside each of its actors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,23 +21,16 @@ import grpc
 import numpy as np
 
 from service.engine import ChatInput, Engine, EngineConfig, GenerationResult, ImageInput
-from service.errors import RemoteError, ServiceError, Unavailable
+from service.errors import KIND_METADATA, BadRequest, RemoteError, ServiceError, Unavailable, Unsupported
+from service.openai.response import Reply
 from service.rpc._proto import vision_pb2 as pb
-from service.rpc.client import AsyncVisionClient, message
-from textcore.parser import ContentDelta
+from service.rpc.client import AsyncVisionClient
+from textcore import parser as p
 
-# Generation settings a batch job always uses: no thinking (a caption or a transcription is
-# wanted, not a reasoning trace); greedy sampling (reproducible across engines and resumes).
-CHAT_KWARGS = {"thinking": False}
-
-
-@dataclass
-class Caption:
-    text: str
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int  # after image expansion
-    image_tokens: int
-    completion_tokens: int
+# What a chat message may hold that a server's Generate carries (the in-process engine reads the
+# message as it is).
+WIRE_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content",
+                                 "reasoning"})
 
 
 @dataclass
@@ -47,8 +43,11 @@ class Embedding:
 class Backend(Protocol):
     identity: str  # the checkpoint fingerprint of the model that answers
     description: str  # for logs: "in-process (cpu:2)", "server 127.0.0.1:50051"
+    model_name: str  # the model a reply names
 
-    async def caption(self, messages: list[dict[str, Any]], images: list[bytes], max_new_tokens: int) -> Caption: ...
+    def serves(self, model: str | None) -> bool: ...
+
+    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply: ...
 
     async def embed(self, image: bytes) -> Embedding: ...
 
@@ -63,6 +62,7 @@ class EngineBackend:
         self.engine = engine
         self.owns = owns
         self.identity = engine.fingerprint
+        self.model_name = engine.served_model_names[0]
         self.description = f"in-process ({len(engine.devices)} encoder worker(s): {','.join(engine.devices)})"
 
     @classmethod
@@ -72,22 +72,20 @@ class EngineBackend:
                               cache_bytes=0)
         return cls(Engine.load(config), owns=True)
 
+    def serves(self, model: str | None) -> bool:
+        return self.engine.serves(model)
+
     async def embed(self, image: bytes) -> Embedding:
         (emb,) = await self.engine.embed([ImageInput(image)])
         return Embedding(emb.rows.float().numpy(), emb.grid_thw, emb.num_tokens)
 
-    async def caption(self, messages: list[dict[str, Any]], images: list[bytes], max_new_tokens: int) -> Caption:
+    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
         engine = self.engine
-        chat = ChatInput(messages=messages, kwargs=dict(CHAT_KWARGS), images=[ImageInput(data) for data in images])
-        pieces: list[str] = []
-        async with contextlib.aclosing(engine.generate(chat, engine.sampling(max_new_tokens))) as items:
+        reply = Reply()
+        async with contextlib.aclosing(engine.generate(chat, engine.sampling(max_new_tokens, **sampling))) as items:
             async for item in items:
-                if isinstance(item, ContentDelta):
-                    pieces.append(item.text)
-                elif isinstance(item, GenerationResult):
-                    result = item
-        return Caption("".join(pieces), result.finish_reason, result.prompt_tokens, result.image_tokens,
-                       result.completion_tokens)
+                reply.add(item)
+        return reply
 
     async def close(self) -> None:
         if self.owns:
@@ -96,26 +94,29 @@ class EngineBackend:
 
 @contextlib.contextmanager
 def _remote_errors():
-    """A failed RPC as the failure the server reported (its status code gives the kind)."""
+    """A failed RPC as the failure the server reported (the kind it names, else its status code's)."""
     try:
         yield
     except grpc.RpcError as exc:
         if not hasattr(exc, "code"):
             raise
-        raise RemoteError(exc.code(), exc.details() or "") from None
+        metadata = dict(exc.trailing_metadata() or ())
+        raise RemoteError(exc.code(), exc.details() or "", kind=metadata.get(KIND_METADATA)) from None
 
 
 class ServerBackend:
     """A running `kimi-vision serve` over gRPC (`AsyncVisionClient`)."""
 
-    def __init__(self, client: AsyncVisionClient, target: str, identity: str) -> None:
+    def __init__(self, client: AsyncVisionClient, target: str, info: pb.ModelInfo) -> None:
         self.client = client
-        self.identity = identity
+        self.identity = info.fingerprint
+        self.served_model_names = tuple(info.served_model_names) or (info.model_id,)
+        self.model_name = self.served_model_names[0]
         self.description = f"server {target}"
 
     @classmethod
     async def connect(cls, target: str, *, timeout_s: float = 600.0) -> ServerBackend:
-        """Connect, check health, and learn the model identity (`GetModelInfo`)."""
+        """Connect, check health, and learn the model (`GetModelInfo`)."""
         client = AsyncVisionClient(target, timeout=timeout_s)
         try:
             with _remote_errors():
@@ -129,31 +130,93 @@ class ServerBackend:
         except BaseException:
             await client.close()
             raise
-        return cls(client, target, info.fingerprint)
+        return cls(client, target, info)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.served_model_names
 
     async def embed(self, image: bytes) -> Embedding:
         with _remote_errors():
             header, rows = await self.client.embed(image, dtype="float32")
         return Embedding(np.ascontiguousarray(rows, dtype=np.float32), tuple(header.grid_thw), header.num_tokens)
 
-    async def caption(self, messages: list[dict[str, Any]], images: list[bytes], max_new_tokens: int) -> Caption:
-        remaining = iter(images)
-        wire = [message(m["role"], *(p["text"] if p["type"] == "text" else next(remaining) for p in m["content"]))
-                for m in messages]
-        pieces: list[str] = []
-        finish = None
+    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
+        wire = wire_messages(chat)
+        reply = Reply()
         with _remote_errors():
-            async for event in self.client.generate(wire, max_new_tokens=max_new_tokens, chat_kwargs=CHAT_KWARGS):
-                kind = event.WhichOneof("event")
-                if kind == "content_delta":
-                    pieces.append(event.content_delta)
-                elif kind == "finish":
-                    finish = event.finish
-        if finish is None:
+            async for event in self.client.generate(wire, tools=chat.tools, max_new_tokens=max_new_tokens,
+                                                    sampling=sampling, chat_kwargs=chat.kwargs):
+                item = _engine_item(event)
+                if item is not None:
+                    reply.add(item)
+        if reply.result is None:
             raise Unavailable("server: the stream ended without a finish event")
-        reason = "stop" if finish.reason == pb.FINISH_REASON_STOP else "length"
-        u = finish.usage
-        return Caption("".join(pieces), reason, u.prompt_tokens, u.image_tokens, u.completion_tokens)
+        return reply
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _engine_item(event: pb.GenerateEvent) -> p.Event | GenerationResult | None:
+    """A GenerateEvent as the engine item it carries (the reverse of `service.rpc.convert.event`,
+    for the items a `Reply` reads)."""
+    kind = event.WhichOneof("event")
+    if kind == "content_delta":
+        return p.ContentDelta(event.content_delta)
+    if kind == "reasoning_delta":
+        return p.ReasoningDelta(event.reasoning_delta)
+    if kind == "tool_call_end":
+        end = event.tool_call_end
+        return p.ToolCallEnd(end.index, end.name, json.loads(end.arguments_json))
+    if kind == "finish":
+        finish, usage = event.finish, event.finish.usage
+        reason = "stop" if finish.reason == pb.FINISH_REASON_STOP else "length"
+        return GenerationResult(reason, usage.prompt_tokens, usage.image_tokens, usage.completion_tokens)
+    return None
+
+
+def wire_messages(chat: ChatInput) -> list[pb.ChatMessage]:
+    """The chat's messages as Generate carries them (each image part takes the next image)."""
+    images = iter(chat.images)
+    out = []
+    for i, message in enumerate(chat.messages):
+        where = f"messages[{i}]"
+        extra = sorted(set(message) - WIRE_MESSAGE_FIELDS)
+        if extra:
+            raise Unsupported(f"{where} has field(s) {extra} that a server's Generate does not carry; run this job "
+                              "in-process (without --server)")
+        content = message.get("content")
+        if isinstance(content, str):
+            parts = [pb.ContentPart(text=content)]
+        else:
+            parts = [pb.ContentPart(image=_wire_image(next(images))) if part["type"] == "image"
+                     else pb.ContentPart(text=part["text"]) for part in content or []]
+        out.append(pb.ChatMessage(
+            role=message["role"], content=parts, name=_text(message, "name", where),
+            tool_call_id=_text(message, "tool_call_id", where),
+            tool_calls=[_wire_call(call, f"{where}.tool_calls[{k}]") for k, call in
+                        enumerate(message.get("tool_calls") or [])],
+            reasoning_content=_text(message, "reasoning_content", where) or _text(message, "reasoning", where)))
+    return out
+
+
+def _wire_image(image: ImageInput) -> pb.Image:
+    return pb.Image(data=image.data, uuid=image.uuid or "")
+
+
+def _text(message: Mapping[str, Any], key: str, where: str) -> str:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"{where}.{key} must be a string, got {type(value).__name__}")
+    return value or ""
+
+
+def _wire_call(call: Any, where: str) -> pb.ToolCall:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                         "'arguments': ...}}}")
+    arguments = function.get("arguments")
+    if arguments is not None and not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return pb.ToolCall(id=str(call.get("id") or ""), name=function["name"], arguments_json=arguments or "")

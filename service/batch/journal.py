@@ -1,14 +1,22 @@
-"""The job's durable record: the output JSONL, its fingerprint file, and resume.
+"""The job's durable record: the output JSONL (and the `--errors` file), the fingerprint, resume,
+and the input order of the finished file.
 
 Exactly-once rests on three rules:
-- a row is written only when its item is finished, as ONE `os.write` of the complete line to an
+- a row is written only when its line is finished, as ONE `os.write` of the complete line to an
   `O_APPEND` descriptor, so rows never interleave and the only possible damage from a crash is a
-  torn LAST line;
-- `--resume` first makes the file clean: it drops a torn last line and the rows of transient
-  failures (those items run again) by rewriting the file atomically (temporary file, fsync,
-  rename), then skips every id that still has a row;
+  torn LAST line; while the job runs the output is this journal, in completion order;
+- `--resume` first makes the journal clean: it drops a torn last line and the rows of transient
+  failures (those lines run again), takes back the rows a finished run moved to the errors file,
+  rewriting the output atomically (temporary file, fsync, rename), then skips every id that still
+  has a row;
 - the options that change results are stored beside the output (`<output>.job.json`) and a resume
   with different options is refused, so one file never mixes two jobs.
+
+When every line has its row, `finish` rewrites the output in input order (each row's
+`kimi_vision.line`), and with an errors file moves the failed rows there, as OpenAI's Batch API
+splits them. It holds only an index in memory (line, offset, length per row: 24 bytes a row), never
+the rows, and replaces each file atomically: the errors file first, so a crash between the two
+renames leaves failed rows in both files, which a resume counts once.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = "kimi-vision-batch/2"  # 2: the model is named by its checkpoint fingerprint
+import numpy as np
+
+from service.batch.rows import is_ok, is_transient, line_of, shard_file
 
 
 class ResumeRefused(Exception):
@@ -36,6 +47,11 @@ def shard_dir(output: Path) -> Path:
     return output.with_name(output.name + ".embeddings")
 
 
+def errors_name(output: Path, errors: Path | None) -> str | None:
+    """How the fingerprint names the errors file: as seen from the output's directory."""
+    return None if errors is None else os.path.relpath(os.path.abspath(errors), os.path.abspath(output.parent))
+
+
 @dataclass
 class Prior:
     """What an earlier run of this job left: ids not to run again and their statuses."""
@@ -48,6 +64,7 @@ class Prior:
     dropped: int = 0  # whole rows not kept (transient failures, rows whose shard is gone)
     orphan_shards: list[str] = field(default_factory=list)  # embedding shards no kept row points to
     shards: set[str] = field(default_factory=set)  # shard files the kept rows point to
+    seen: set[str] = field(default_factory=set)  # every id read (a row in both files counts once)
 
 
 def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -57,15 +74,22 @@ def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(changes)
 
 
-def check(output: Path, fingerprint: dict[str, Any], *, resume: bool) -> bool:
+def _has_rows(path: Path | None) -> bool:
+    return path is not None and path.exists() and path.stat().st_size > 0
+
+
+def check(output: Path, fingerprint: dict[str, Any], *, resume: bool, errors: Path | None = None) -> bool:
     """Raise `ResumeRefused` unless `output` may be used as asked; True when there is an earlier
     run to resume. Changes nothing on disk (so it can run before a model is loaded)."""
     fp_file = fingerprint_path(output)
-    has_rows = output.exists() and output.stat().st_size > 0
+    has_rows = _has_rows(output) or _has_rows(errors)
     if not resume:
         if has_rows:
             raise ResumeRefused(f"{output} already holds results; pass --resume to continue that job, "
                                 "or choose another --output")
+        if errors is not None and errors.exists():
+            raise ResumeRefused(f"--errors {errors} already exists; pass --resume to continue that job, or choose "
+                                "another --errors file")
         return False
     if not fp_file.exists():
         if has_rows:
@@ -83,34 +107,46 @@ def check(output: Path, fingerprint: dict[str, Any], *, resume: bool) -> bool:
     return True
 
 
-def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool) -> Prior:
+def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool, errors: Path | None = None) -> Prior:
     """Make `output` ready to append to (see `check`); on a resume, clean it and return what the
     earlier runs did."""
-    if check(output, fingerprint, resume=resume):
-        output.touch()  # a kill between writing the job file and creating the output leaves none
-        return _compact(output)
-    _write_atomic(fingerprint_path(output), (json.dumps(fingerprint, indent=2, sort_keys=True) + "\n").encode())
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.touch()
-    return _compact(output)  # an empty output: this only clears shards a discarded earlier job left
+    resuming = check(output, fingerprint, resume=resume, errors=errors)
+    for path in (output, errors):
+        if path is not None:  # a rewrite cut short by a crash
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink()
+    if not resuming:
+        _write_atomic(fingerprint_path(output), (json.dumps(fingerprint, indent=2, sort_keys=True) + "\n").encode())
+        output.parent.mkdir(parents=True, exist_ok=True)
+    output.touch()  # on a resume: a kill between writing the job file and creating the output leaves none
+    return _compact(output, errors)  # a fresh start: this only clears shards a discarded earlier job left
 
 
-def _compact(output: Path) -> Prior:
-    """Read the existing rows; rewrite the file without a torn tail and transient failures.
+def _compact(output: Path, errors: Path | None) -> Prior:
+    """Read the existing rows (the output's, then the errors file's); rewrite the output without a
+    torn tail and transient failures, and with the errors file's rows taken back.
 
-    Streams the file (a job of millions of rows must not need its output in memory): one pass to
-    decide, and only when something must go, a second pass writing the kept lines to a temporary
-    file that replaces the output atomically. Both passes decide alike (same file, same shards).
+    Streams the files (a job of millions of rows must not need its output in memory): one pass to
+    decide, and only when something must change, a second pass writing the kept lines to a
+    temporary file that replaces the output atomically. Both passes decide alike.
     """
-    prior = _scan(output, keep=None)
-    if prior.dropped or prior.torn:
-        tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    sources = [output] + ([errors] if errors is not None and errors.exists() else [])
+    prior = Prior()
+    for source in sources:
+        _scan(source, output.parent, prior, keep=None)
+    if prior.dropped or prior.torn or len(sources) > 1:
+        tmp = _tmp(output)
         with open(tmp, "wb") as f:
-            prior = _scan(output, keep=f.write)
+            prior = Prior()
+            for source in sources:
+                _scan(source, output.parent, prior, keep=f.write)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, output)
         _fsync_dir(output.parent)
+        if len(sources) > 1:  # its rows are in the output now
+            errors.unlink()
+            _fsync_dir(errors.parent)
     directory = shard_dir(output)
     if directory.is_dir():
         for shard in sorted(directory.glob("shard-*.safetensors")):
@@ -122,14 +158,14 @@ def _compact(output: Path) -> Prior:
     return prior
 
 
-def _scan(output: Path, keep: Callable[[bytes], Any] | None) -> Prior:
-    """Decide line by line which rows a resume keeps (passing each kept line to `keep`)."""
-    prior = Prior()
+def _scan(path: Path, root: Path, prior: Prior, keep: Callable[[bytes], Any] | None) -> None:
+    """Decide line by line which rows a resume keeps (passing each kept line to `keep`); shard
+    files are named relative to `root`, the output's directory."""
     bad_line = 0
-    with open(output, "rb") as f:
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if bad_line:
-                raise ResumeRefused(f"cannot resume: line {bad_line} of {output} is not a result row; the file "
+                raise ResumeRefused(f"cannot resume: line {bad_line} of {path} is not a result row; the file "
                                     "was changed by something else. Fix or remove that line.")
             if not line.endswith(b"\n"):
                 prior.torn = True  # the last line, cut mid-write by a crash
@@ -137,41 +173,91 @@ def _scan(output: Path, keep: Callable[[bytes], Any] | None) -> Prior:
             try:
                 row = json.loads(line)
                 custom_id = row["custom_id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+                transient = is_transient(row)
+                shard = shard_file(row)
+                line_of(row)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 bad_line = lineno  # tolerated only as the very last line
                 continue
-            if not _keeps(row, custom_id, output, prior):
+            if not _keeps(row, custom_id, transient, shard, root, prior):
                 prior.dropped += 1
             elif keep is not None:
                 keep(line)
     if bad_line:
         prior.torn = True
-    return prior
 
 
-def _keeps(row: dict[str, Any], custom_id: str, output: Path, prior: Prior) -> bool:
-    if custom_id in prior.done:
-        return False  # cannot happen with this writer; never count an id twice
-    if row.get("status") == "error" and row.get("transient"):
+def _keeps(row: dict[str, Any], custom_id: str, transient: bool, shard: str | None, root: Path,
+           prior: Prior) -> bool:
+    if custom_id in prior.seen:
+        return False  # a row a crash left in both files: counted once
+    prior.seen.add(custom_id)
+    if transient:
         prior.retrying += 1
         return False
-    embedding = row.get("embedding")
-    if row.get("status") == "ok" and embedding:
-        if not (output.parent / embedding["file"]).is_file():
+    if shard is not None:
+        if not (root / shard).is_file():
             prior.retrying += 1  # its shard is gone: compute it again
             return False
-        prior.shards.add(embedding["file"])
+        prior.shards.add(shard)
     prior.done.add(custom_id)
-    if row.get("status") == "ok":
+    if is_ok(row):
         prior.ok += 1
     else:
         prior.errors += 1
     return True
 
 
+def finish(output: Path, errors: Path | None = None) -> None:
+    """Every line has its row: put the output in input order and, with `errors`, move the failed
+    rows there (also in input order). Nothing is rewritten when the output is in order already
+    and there is no errors file to write."""
+    lines, offsets, lengths = array("q"), array("q"), array("q")
+    failed = bytearray()
+    with open(output, "rb") as f:
+        offset = 0
+        for raw in f:
+            row = json.loads(raw)
+            lines.append(line_of(row))
+            offsets.append(offset)
+            lengths.append(len(raw))
+            failed.append(not is_ok(row))
+            offset += len(raw)
+    order = np.argsort(np.frombuffer(lines, dtype=np.int64), kind="stable")
+    if errors is None and bool((order == np.arange(len(order))).all()):
+        return
+    fd = os.open(output, os.O_RDONLY)
+    try:
+        def rewrite(path: Path, wanted: Callable[[int], bool]) -> Path:
+            tmp = _tmp(path)
+            with open(tmp, "wb") as out:
+                for i in order:  # numpy ints, not a list: 8 bytes a row, not 36
+                    if wanted(i):
+                        out.write(os.pread(fd, lengths[i], offsets[i]))
+                out.flush()
+                os.fsync(out.fileno())
+            return tmp
+
+        if errors is not None:
+            failures = rewrite(errors, lambda i: failed[i])
+            kept = rewrite(output, lambda i: not failed[i])
+            os.replace(failures, errors)
+            _fsync_dir(errors.parent)  # the failed rows are safe before they leave the output
+        else:
+            kept = rewrite(output, lambda i: True)
+        os.replace(kept, output)
+        _fsync_dir(output.parent)
+    finally:
+        os.close(fd)
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _tmp(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, data)

@@ -1,20 +1,24 @@
-"""The batch job: what it computes (`JobSpec`), the row it writes per item (`ItemRunner`, which
-the Ray engine's actors run too), and the asyncio runner that keeps `concurrency` items in flight
-on a backend.
+"""The batch job: the row each input line gets (`ItemRunner`, which the Ray engine's actors run
+too), and the asyncio runner (`Job`) that keeps `concurrency` lines in flight on a backend and,
+when every line has its row, puts the output in input order (`journal.finish`).
 
+Every line takes one path: its request is checked (`requests.py`; a malformed line, an unsupported
+parameter or another model is that line's error row), its images are fetched (`ImageFetcher`:
+data: URLs, local files, http(s) with --allow-remote-images), then the backend generates or embeds.
 Failures are classified by the service's one taxonomy (`service.errors`): a kind that is not
-retried (bad image, bad chat, too large) is recorded as an `error` row and the job goes on; a
+retried (bad image, bad request, too large) is recorded as an error row and the job goes on; a
 retried one (overloaded, unavailable, internal) is retried a few times with backoff, then recorded
-with `"transient": true` (the next `--resume` runs it again). Too many transient failures in a row
-(a dead server) stop the job. A bug (an exception with no kind) also stops it: writing two million
-error rows for one bug helps nobody. Ctrl-C (or `stop()`) stops taking items, cancels those in
-flight (they have no row, so a resume runs them), writes what is buffered and fsyncs.
+(the next `--resume` runs it again). Too many transient failures in a row (a dead server) stop the
+job. A bug (an exception with no kind) also stops it: writing two million error rows for one bug
+helps nobody. Ctrl-C (or `stop()`) stops taking lines, cancels those in flight (they have no row,
+so a resume runs them), writes what is buffered and fsyncs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -22,104 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.batch.backends import Backend, Caption, Embedding
+import numpy as np
+
+from service.batch.backends import Backend
 from service.batch.inputs import Item
-from service.batch.journal import FORMAT, Prior, RowWriter, prepare
+from service.batch.journal import Prior, RowWriter, errors_name, finish, prepare
 from service.batch.progress import Progress
+from service.batch.requests import chat_kwargs, chat_request, embedding_request
+from service.batch.rows import embedding_body, error_message, error_row, is_ok, is_transient, ok_row
 from service.batch.shards import ShardWriter
-from service.errors import BadRequest, classify
-
-TASKS = ("caption", "ocr", "embed")
-DEFAULT_PROMPTS = {
-    "caption": "Describe this image in one short sentence.",
-    "ocr": "Read all the text in this image. Reply with the text only, keeping its line breaks.",
-}
-DEFAULT_MAX_NEW_TOKENS = {"caption": 64, "ocr": 512}
-EMBED_DTYPE = "float32"
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything that decides a job's results (besides the model and the inputs)."""
-
-    task: str
-    prompt: str | None = None  # None -> the task's default prompt
-    max_new_tokens: int | None = None  # None -> the task's default
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.task == "embed" and (self.prompt is not None or self.max_new_tokens is not None):
-            raise ValueError("--prompt and --max-new-tokens do not apply to --task embed")
-
-    @property
-    def effective_prompt(self) -> str | None:
-        if self.task == "embed":
-            return None
-        return self.prompt if self.prompt is not None else DEFAULT_PROMPTS[self.task]
-
-    @property
-    def effective_max_new_tokens(self) -> int | None:
-        return None if self.task == "embed" else (self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[self.task])
-
-    def fingerprint(self, model_identity: str) -> dict[str, Any]:
-        """Stored beside the output; a resume must present the same dict."""
-        fp: dict[str, Any] = {"format": FORMAT, "task": self.task, "model": model_identity}
-        if self.task == "embed":
-            fp["embedding_dtype"] = EMBED_DTYPE
-        else:
-            fp.update(prompt=self.effective_prompt, max_new_tokens=self.effective_max_new_tokens,
-                      sampling="greedy", thinking=False)
-        return fp
-
-    def image_chat(self, num_images: int = 1) -> list[dict[str, Any]]:
-        """One user message: the image(s), then the task prompt."""
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": self.effective_prompt}]
-        return [{"role": "user", "content": content}]
-
-    def chat(self, item: Item) -> list[dict[str, Any]]:
-        """The item's chat: the task prompt after its image, or a JSONL row's own messages (the task
-        prompt appended to its last user message when the row carries no text at all)."""
-        prompt = self.effective_prompt
-        if item.messages is None:
-            return self.image_chat(len(item.images))
-        messages = [dict(m, content=list(m["content"])) for m in item.messages]
-        has_text = any(p["type"] == "text" and p["text"].strip() for m in messages for p in m["content"])
-        if not has_text:
-            users = [m for m in messages if m["role"] == "user"] or messages
-            users[-1]["content"].append({"type": "text", "text": prompt})
-        return messages
-
-
-# -- rows ----------------------------------------------------------------------------------------
+from service.batch.spec import EMBED_DTYPE, JobSpec
+from service.errors import Failure, NotFound, classify
+from service.openai.images import ImageFetcher
+from service.openai.response import completion, new_id
+from vision.decode import DEFAULT_LIMITS
 
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
-
-
-def caption_row(custom_id: str, caption: Caption, timings: dict[str, float]) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id, "status": "ok", "text": caption.text,
-        "tokens": {"prompt": caption.prompt_tokens, "image": caption.image_tokens,
-                   "completion": caption.completion_tokens},
-        "finish_reason": caption.finish_reason, "error": None, "timings": timings,
-    }
-
-
-def embed_row(custom_id: str, embedding: Embedding, timings: dict[str, float]) -> dict[str, Any]:
-    """The `embedding` field (file, key, shape, dtype) is added by the shard writer."""
-    return {
-        "custom_id": custom_id, "status": "ok", "text": None, "tokens": {"image": embedding.num_tokens},
-        "grid_thw": list(embedding.grid_thw), "error": None, "timings": timings,
-    }
-
-
-def error_row(custom_id: str, message: str, transient: bool, timings: dict[str, float]) -> dict[str, Any]:
-    return {"custom_id": custom_id, "status": "error", "text": None, "tokens": None, "error": message,
-            "transient": transient, "timings": timings}
 
 
 # -- the runner ----------------------------------------------------------------------------------
@@ -147,6 +71,11 @@ class Summary:
         return self.processed / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
+    def complete(self) -> bool:
+        """Every line has its row (the output can be put in input order)."""
+        return not (self.aborted or self.interrupted)
+
+    @property
     def exit_code(self) -> int:
         """0 finished; 1 stopped by an error; 75 finished with transient failures; 130 interrupted."""
         if self.aborted:
@@ -155,10 +84,11 @@ class Summary:
             return 130
         return 75 if self.transient else 0
 
-    def line(self, output: Path) -> str:
+    def line(self, output: Path, errors: Path | None = None) -> str:
         done = f"{self.processed} processed: {self.ok} ok, {self.errors} errors, {self.transient} transient"
+        where = f"{output}" + (f" (failed lines: {errors})" if errors is not None else "")
         parts = [f"batch {self.task}: {self.inputs} inputs, {self.skipped} already done; {done}",
-                 f"in {self.elapsed_s:.1f} s ({self.rate:.2f} img/s) -> {output}"]
+                 f"in {self.elapsed_s:.1f} s ({self.rate:.2f} img/s) -> {where}"]
         prior = self.prior
         if prior.done or prior.dropped or prior.torn:
             resumed = f"resumed: kept {prior.ok} ok and {prior.errors} error rows, ran {prior.retrying} again"
@@ -170,7 +100,7 @@ class Summary:
         if self.transient:
             parts.append("rerun with --resume to retry the transient failures")
         if self.interrupted:
-            parts.append("interrupted: rerun with --resume to finish")
+            parts.append("interrupted (rows in completion order until it finishes): rerun with --resume to finish")
         if self.aborted:
             parts.append(f"stopped: {self.aborted}")
         return "; ".join(parts)
@@ -191,7 +121,7 @@ class RunOptions:
 
 
 class Recorder:
-    """Writes finished items (rows, embedding shards), counts them and shows progress. Shared by
+    """Writes finished lines (rows, embedding shards), counts them and shows progress. Shared by
     the asyncio runner and the Ray driver, so both write the same rows the same way."""
 
     def __init__(self, summary: Summary, output: Path, pending: int, options: RunOptions,
@@ -207,26 +137,28 @@ class Recorder:
                                  label=f"batch {summary.task}")
         self._consecutive_transient = 0
 
-    def record(self, row: dict[str, Any], embedding: Embedding | None = None) -> None:
+    def record(self, row: dict[str, Any], embedding: np.ndarray | None = None) -> None:
+        """`embedding`: the rows of an embedding line, for its shard."""
         summary = self.summary
-        if row["status"] == "ok":
+        ok = is_ok(row)
+        if ok:
             summary.ok += 1
             self._consecutive_transient = 0
-        elif row["transient"]:
+        elif is_transient(row):
             summary.transient += 1
             self._consecutive_transient += 1
             if self._consecutive_transient >= self.limit and not summary.aborted:
                 summary.aborted = (f"{self._consecutive_transient} transient failures in a row "
-                                   f"(last: {row['error']}); fix the cause, then rerun with --resume")
+                                   f"(last: {error_message(row)}); fix the cause, then rerun with --resume")
                 self.on_abort()
         else:
             summary.errors += 1
             self._consecutive_transient = 0
         if embedding is not None:
-            self.shards.add(row["custom_id"], embedding.rows, row)
+            self.shards.add(row["custom_id"], embedding, row)
         else:
             self.writer.write([row])
-        self.progress.update(row["status"] == "ok")
+        self.progress.update(ok)
 
     def close(self) -> None:
         """Write buffered embeddings (their rows go out only with their shard), fsync, end progress."""
@@ -238,17 +170,20 @@ class Recorder:
 
 
 class ItemRunner:
-    """One item -> its row (and embedding): read its images, ask the backend, classify failures.
-    The local runner and the Ray engine's actors both use it, so every engine writes the same rows."""
+    """One input line -> its row (and embedding rows): check the request, fetch its images, ask
+    the backend, classify failures. The local runner and the Ray engine's actors both use it, so
+    every engine writes the same rows. `base_dir`: where relative image paths are read from."""
 
-    def __init__(self, spec: JobSpec, backend: Backend, options: RunOptions,
+    def __init__(self, spec: JobSpec, backend: Backend, options: RunOptions, base_dir: Path,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.spec = spec
         self.backend = backend
         self.options = options
         self.stopping = stopping
+        self.fetcher = ImageFetcher(DEFAULT_LIMITS.max_bytes, allow_remote=spec.allow_remote_images,
+                                    base_dir=base_dir)
 
-    async def process(self, item: Item) -> tuple[dict[str, Any], Embedding | None]:
+    async def process(self, item: Item) -> tuple[dict[str, Any], np.ndarray | None]:
         """Raises only for a bug (an exception with no kind in the taxonomy)."""
         opts = self.options
         start = time.monotonic()
@@ -259,47 +194,67 @@ class ItemRunner:
                 failure = classify(exc)
                 if failure is None:
                     raise
-                retry = failure.rule.retry
-                if not retry or attempt == opts.retries or self.stopping():
-                    return error_row(item.custom_id, failure.message, retry,
+                if not failure.rule.retry or attempt == opts.retries or self.stopping():
+                    if item.numbered:
+                        failure = Failure(failure.kind, f"line {item.line}: {failure.message}")
+                    return error_row(item.custom_id, item.line, failure,
                                      {"total_ms": _ms(time.monotonic() - start)}), None
                 await asyncio.sleep(opts.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 
-    async def _attempt(self, item: Item, start: float) -> tuple[dict[str, Any], Embedding | None]:
-        images = [ref.read() for ref in item.images]
-        read = time.monotonic()
+    def _check_model(self, model: str | None) -> None:
+        if not self.spec.ignore_model and not self.backend.serves(model):
+            raise NotFound(f"model {model!r} is not served here (this job runs {self.backend.model_name!r}); "
+                             "pass --ignore-model to run every line on it")
+
+    async def _attempt(self, item: Item, start: float) -> tuple[dict[str, Any], np.ndarray | None]:
+        backend = self.backend
         if self.spec.task == "embed":
-            if len(images) != 1:
-                raise BadRequest(f"embed takes exactly one image per input; this one has {len(images)}")
-            embedding = await self.backend.embed(images[0])
-            done = time.monotonic()
-            timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
-            return embed_row(item.custom_id, embedding, timings), embedding
-        max_new = item.max_new_tokens or self.spec.effective_max_new_tokens
-        caption = await self.backend.caption(self.spec.chat(item), images, max_new)
-        done = time.monotonic()
-        timings = {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
-        return caption_row(item.custom_id, caption, timings), None
+            model, part = embedding_request(item)
+            self._check_model(model)
+            image = await self.fetcher.fetch(part)
+            read = time.monotonic()
+            embedding = await backend.embed(image)
+            body = embedding_body(model=backend.model_name, key=item.custom_id, shape=list(embedding.rows.shape),
+                                  dtype=EMBED_DTYPE, grid_thw=list(embedding.grid_thw),
+                                  num_tokens=embedding.num_tokens)
+            return ok_row(item.custom_id, item.line, body, _timings(start, read)), embedding.rows
+        request = chat_request(item, self.spec.task)
+        self._check_model(request.model)
+        images = [await self.fetcher.fetch(part) for part in request.images]
+        read = time.monotonic()
+        chat = dataclasses.replace(request, chat_kwargs=chat_kwargs(request)).chat_input(images)
+        max_new = request.max_tokens or self.spec.effective_max_new_tokens
+        reply = await backend.generate(chat, max_new, request.sampling)
+        body = completion(reply, model=backend.model_name, request_id=new_id())
+        return ok_row(item.custom_id, item.line, body, _timings(start, read)), None
+
+
+def _timings(start: float, read: float) -> dict[str, float]:
+    done = time.monotonic()
+    return {"read_ms": _ms(read - start), "model_ms": _ms(done - read), "total_ms": _ms(done - start)}
 
 
 class Job:
-    """One run of a batch job on one backend. `run()` returns the `Summary`."""
+    """One run of a batch job on one backend. `run()` returns the `Summary`. `base_dir`: where
+    relative image paths are read from (`inputs.base_dir`); `errors`: the `--errors` file."""
 
     def __init__(self, spec: JobSpec, items: Sequence[Item], output: Path, backend: Backend, *, resume: bool,
-                 options: RunOptions | None = None) -> None:
+                 base_dir: Path, errors: Path | None = None, options: RunOptions | None = None) -> None:
         self.spec = spec
         self.items = items
         self.output = Path(output)
+        self.errors = None if errors is None else Path(errors)
         self.backend = backend
         self.resume = resume
+        self.base_dir = base_dir
         self.options = options or RunOptions()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.bug: BaseException | None = None  # the exception that stopped the job, if a bug did
 
     def stop(self) -> None:
-        """Stop taking items and cancel those in flight (they run again on resume)."""
+        """Stop taking lines and cancel those in flight (they run again on resume)."""
         if not self._stop.is_set():
             self._stop.set()
             for task in self._tasks:
@@ -307,11 +262,12 @@ class Job:
 
     async def run(self) -> Summary:
         opts = self.options
-        prior = prepare(self.output, self.spec.fingerprint(self.backend.identity), resume=self.resume)
+        fingerprint = self.spec.fingerprint(self.backend.identity, errors_name(self.output, self.errors))
+        prior = prepare(self.output, fingerprint, resume=self.resume, errors=self.errors)
         pending = [item for item in self.items if item.custom_id not in prior.done]
         summary = Summary(self.spec.task, len(self.items), len(self.items) - len(pending), prior=prior)
         recorder = Recorder(summary, self.output, len(pending), opts, on_abort=self.stop)
-        runner = ItemRunner(self.spec, self.backend, opts, stopping=self._stop.is_set)
+        runner = ItemRunner(self.spec, self.backend, opts, self.base_dir, stopping=self._stop.is_set)
         queue = iter(pending)
         start = time.monotonic()
 
@@ -343,6 +299,8 @@ class Job:
                     loop.remove_signal_handler(signal.SIGINT)
             recorder.close()
             summary.elapsed_s = time.monotonic() - start
+        if summary.complete:
+            await loop.run_in_executor(None, finish, self.output, self.errors)
         return summary
 
 

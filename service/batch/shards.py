@@ -4,7 +4,8 @@ A safetensors file cannot be appended to, so embeddings are buffered and written
 time (temporary name, fsync, rename); only after a shard is on disk are the rows that point to
 it appended to the output. A crash therefore loses at most the buffered rows, which `--resume`
 computes again; a shard written just before a crash without its rows is an orphan that resume
-deletes. Each tensor's key is its item's `custom_id`.
+deletes. Each tensor's key is its line's `custom_id`; each row's body names its shard, key, shape
+and dtype (`service.batch.rows.embedding_body`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,11 @@ class ShardWriter:
         self._next = max(existing, default=0) + 1
 
     def add(self, key: str, array: np.ndarray, row: dict[str, Any]) -> None:
-        """`row["embedding"]` is filled in here (file, key, shape, dtype)."""
+        """`row`'s body names the shard (`embedding.file`, filled in when the shard is written)."""
         array = np.ascontiguousarray(array)
         if not self._tensors:
             self._since = time.monotonic()
         self._tensors[key] = array
-        row["embedding"] = {"file": None, "key": key, "shape": list(array.shape), "dtype": str(array.dtype)}
         self._rows.append(row)
         self._bytes += array.nbytes
         if self._bytes >= self.max_bytes or time.monotonic() - self._since >= self.max_age_s:
@@ -65,7 +65,9 @@ class ShardWriter:
         path = self.directory / f"shard-{self._next:05d}.safetensors"
         self._next += 1
         tmp = path.with_name(f".{path.name}.tmp")
-        meta = {r["embedding"]["key"]: {"custom_id": r["custom_id"], "grid_thw": r.get("grid_thw")} for r in self._rows}
+        bodies = [r["response"]["body"] for r in self._rows]
+        meta = {b["embedding"]["key"]: {"custom_id": r["custom_id"], "grid_thw": b["grid_thw"]}
+                for r, b in zip(self._rows, bodies, strict=True)}
         save_file(self._tensors, str(tmp), metadata={"kimi_vision_batch": json.dumps(meta, sort_keys=True)})
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -74,7 +76,7 @@ class ShardWriter:
             os.close(fd)
         os.replace(tmp, path)
         relative = path.relative_to(self.root).as_posix()
-        for row in self._rows:
-            row["embedding"]["file"] = relative
+        for body in bodies:
+            body["embedding"]["file"] = relative
         rows, self._rows, self._tensors, self._bytes = self._rows, [], {}, 0
         self.emit_rows(rows)

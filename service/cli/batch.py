@@ -1,12 +1,14 @@
-"""`kimi-vision batch --task caption|ocr|embed --input DIR|FILE.jsonl|LIST --output OUT.jsonl`
+"""`kimi-vision batch --task caption|ocr|embed --input FILE.jsonl|DIR|LIST --output OUT.jsonl`
 
-Runs every input image through the model (in this process by default, on a running server with
-`--server`, or on Ray Data with `--engine ray`) and appends one JSON line per input to OUT.jsonl:
-`custom_id`, `status` (ok/error), `text`, `tokens`, `error` (with `transient`), `timings` (ms;
-the keys depend on the engine); `embed` also writes
-safetensors shards to `OUT.jsonl.embeddings/` and records the shard file and tensor key. The
-options that change results are kept in `OUT.jsonl.job.json`; `--resume` continues a stopped or
-killed job (each input ends up exactly once) and refuses if those options changed.
+Runs every input line through the model (in this process by default, on a running server with
+`--server`, or on Ray Data with `--engine ray`) and writes one line per input to OUT.jsonl, in input
+order, in the OpenAI Batch output shape (as vLLM's `run_batch` writes it): `id`, `custom_id`,
+`response` (`status_code`, `request_id`, `body`: a `chat.completion`, or for `embed` the
+safetensors shard, key, shape and dtype under `OUT.jsonl.embeddings/`), `error` (`code`: the kind,
+`message`), and this project's `kimi_vision` (the input `line`, `timings`). `--errors FILE` moves
+failed lines there, as OpenAI's Batch API does. The options that change results are kept in
+`OUT.jsonl.job.json`; `--resume` continues a stopped or killed job (each input ends up exactly
+once) and refuses if those options changed.
 
 Exit status: 0 done; 1 could not run or stopped on an error; 2 bad arguments or input;
 75 done but some inputs failed transiently (rerun with --resume); 130 interrupted (Ctrl-C).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -27,18 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "an error; 2 bad arguments or input; 75 done but some inputs failed transiently (rerun with "
                      "--resume); 130 interrupted (Ctrl-C; rerun with --resume)")
     parser.add_argument("--task", required=True, choices=("caption", "ocr", "embed"), help="what to compute")
-    parser.add_argument("--input", required=True, metavar="DIR|FILE.jsonl|LIST",
-                        help="a directory (recursive, by image extension), an OpenAI-batch JSONL "
-                             "(custom_id, body.messages) or a text file of image paths")
-    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="result rows (appended)")
+    parser.add_argument("--input", required=True, metavar="FILE.jsonl|DIR|LIST",
+                        help="an OpenAI-batch JSONL (custom_id, method, url, body; /v1/chat/completions for "
+                             "caption/ocr, /v1/embeddings for embed), a directory (recursive, by image extension) "
+                             "or a text file of image paths")
+    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="result lines, in input order")
+    parser.add_argument("--errors", metavar="FILE.jsonl",
+                        help="write failed lines here instead of OUT.jsonl (as OpenAI's Batch API splits them)")
     parser.add_argument("--server", metavar="HOST:PORT", help="use a running kimi-vision server")
     add_model_arguments(parser)
     parser.add_argument("--concurrency", type=int, metavar="N",
                         help="inputs in flight (default: 2 per encoder worker; 8 with --server; "
                              "with --engine ray: encoder actors when there is no GPU)")
     parser.add_argument("--max-new-tokens", type=int, metavar="N",
-                        help="caption/ocr length limit (default 64 caption, 512 ocr)")
-    parser.add_argument("--prompt", metavar="TEXT", help="replace the task's default prompt")
+                        help="caption/ocr length limit where a line sets no max_tokens (default 64 caption, 512 ocr)")
+    parser.add_argument("--prompt", metavar="TEXT",
+                        help="replace the task's default prompt (directory and path-list inputs; a JSONL line's "
+                             "prompt is its messages)")
+    parser.add_argument("--ignore-model", action="store_true",
+                        help="run lines whose body.model names another model (default: an error row)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (10 s timeout, the per-image byte limit, 3 redirects)")
     parser.add_argument("--resume", action="store_true",
                         help="continue OUT.jsonl: skip finished inputs, retry transient failures")
     parser.add_argument("--engine", choices=("local", "ray"), default="local", help="local (default) or ray")
@@ -65,6 +77,10 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--prompt and --max-new-tokens do not apply to --task embed"
     if args.log_every <= 0:
         return f"--log-every must be > 0, got {args.log_every}"
+    if args.prompt is not None and Path(args.input).suffix.lower() == ".jsonl" and not Path(args.input).is_dir():
+        return "--prompt applies to directory and path-list inputs; a JSONL line's prompt is its own messages"
+    if args.errors is not None and os.path.abspath(args.errors) == os.path.abspath(args.output):
+        return "--errors must be another file than --output"
     return None
 
 
@@ -78,33 +94,37 @@ def run(args: argparse.Namespace) -> int:
         _err(problem)
         return 2
 
-    from service.batch.inputs import InputError, load_items
+    from service.batch.inputs import InputError, base_dir, load_items
     from service.batch.journal import ResumeRefused
-    from service.batch.runner import JobSpec, RunOptions
+    from service.batch.runner import RunOptions
+    from service.batch.spec import JobSpec
 
+    spec = JobSpec(args.task, args.prompt, args.max_new_tokens, ignore_model=args.ignore_model,
+                   allow_remote_images=args.allow_remote_images)
     try:
-        items = load_items(args.input)
+        items = load_items(args.input, spec)
     except InputError as e:
         _err(str(e))
         return 2
-    spec = JobSpec(args.task, args.prompt, args.max_new_tokens)
     output = Path(args.output)
+    errors = None if args.errors is None else Path(args.errors)
     options = RunOptions(log_every_s=args.log_every)
     try:
         if args.engine == "ray":
             from service.batch.ray_engine import run_ray_job
 
             summary = run_ray_job(spec, items, output, resume=args.resume, checkpoint=checkpoint_dir(args.checkpoint),
-                                  concurrency=args.concurrency, address=args.ray_address, options=options)
+                                  base_dir=base_dir(args.input), errors=errors, concurrency=args.concurrency,
+                                  address=args.ray_address, options=options)
         else:
-            summary = asyncio.run(_run_local(args, spec, items, output, options))
+            summary = asyncio.run(_run_local(args, spec, items, output, errors, options))
     except ResumeRefused as e:
         _err(str(e))
         return 1
     except _CannotRun as e:
         _err(str(e))
         return 1
-    print(summary.line(output), flush=True)
+    print(summary.line(output, errors), flush=True)
     note = _random_weights_note(args, summary)
     if note:
         print(note, flush=True)
@@ -115,9 +135,10 @@ class _CannotRun(Exception):
     pass
 
 
-async def _run_local(args: argparse.Namespace, spec, items, output, options):
+async def _run_local(args: argparse.Namespace, spec, items, output, errors, options):
     from service.batch.backends import EngineBackend, ServerBackend
-    from service.batch.journal import check
+    from service.batch.inputs import base_dir
+    from service.batch.journal import check, errors_name
     from service.batch.runner import Job
     from service.engine.identity import checkpoint_fingerprint
     from service.errors import ServiceError
@@ -134,7 +155,8 @@ async def _run_local(args: argparse.Namespace, spec, items, output, options):
         if not checkpoint.is_dir():
             raise _CannotRun(f"--checkpoint {checkpoint}: not a directory")
         # Refuse a mismatched resume before spending minutes loading the model.
-        check(output, spec.fingerprint(checkpoint_fingerprint(checkpoint)), resume=args.resume)
+        fingerprint = spec.fingerprint(checkpoint_fingerprint(checkpoint), errors_name(output, errors))
+        check(output, fingerprint, resume=args.resume, errors=errors)
         try:
             backend = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: EngineBackend.load(checkpoint, args.devices, trunk=spec.task != "embed"))
@@ -143,7 +165,8 @@ async def _run_local(args: argparse.Namespace, spec, items, output, options):
         options.concurrency = args.concurrency or 2 * len(backend.engine.devices)
     print(f"batch {spec.task}: {len(items)} inputs on {backend.description}", file=sys.stderr, flush=True)
     try:
-        job = Job(spec, items, output, backend, resume=args.resume, options=options)
+        job = Job(spec, items, output, backend, resume=args.resume, base_dir=base_dir(args.input), errors=errors,
+                  options=options)
         summary = await job.run()
     finally:
         await backend.close()

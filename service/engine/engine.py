@@ -418,8 +418,8 @@ class Engine:
         if max_new > self.config.max_new_tokens_limit:
             limit = self.config.max_new_tokens_limit
             raise BadRequest(f"max_new_tokens {max_new} is above this server's limit {limit}")
-        if not temperature >= 0 or not 0 <= top_p <= 1 or top_k < 0:
-            raise BadRequest("sampling needs temperature >= 0, 0 <= top_p <= 1 and top_k >= 0 "
+        if not temperature >= 0 or not 0 < top_p <= 1 or top_k < 0:  # (SamplingParams's own ranges)
+            raise BadRequest("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0 "
                              f"(got {temperature}, {top_p}, {top_k})")
         return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 

@@ -64,21 +64,24 @@ class ChatRequest:
         return ChatInput(self.messages, self.tools, dict(self.chat_kwargs), inputs)
 
 
-def _int(body: Mapping[str, Any], key: str, *, minimum: int) -> int | None:
+def _int(body: Mapping[str, Any], key: str, *, minimum: int, maximum: int = 2**31 - 1) -> int | None:
+    """`maximum`: what the gRPC wire carries (uint32 fields; the seed is a uint64)."""
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise BadRequest(f"{key} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise BadRequest(f"{key} must be an integer from {minimum} to {maximum}, got {value!r}")
     return value
 
 
-def _number(body: Mapping[str, Any], key: str) -> float | None:
+def _number(body: Mapping[str, Any], key: str, *, low: float, high: float, low_open: bool = False) -> float | None:
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise BadRequest(f"{key} must be a number, got {value!r}")
+    if not (low < value if low_open else low <= value) or not value <= high:
+        raise BadRequest(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 
@@ -147,12 +150,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1)
     sampling: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
-        if (value := _number(body, key)) is not None:
-            sampling[key] = value
-    for key, minimum in (("top_k", 0), ("seed", 0)):
-        if (value := _int(body, key, minimum=minimum)) is not None:
-            sampling[key] = value
+    # vLLM's ranges: any temperature >= 0 (0: greedy), top_p in (0, 1].
+    if (value := _number(body, "temperature", low=0, high=float("inf"))) is not None:
+        sampling["temperature"] = value
+    if (value := _number(body, "top_p", low=0, high=1, low_open=True)) is not None:
+        sampling["top_p"] = value
+    if (value := _int(body, "top_k", minimum=0)) is not None:
+        sampling["top_k"] = value
+    if (value := _int(body, "seed", minimum=0, maximum=2**64 - 1)) is not None:
+        sampling["seed"] = value
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise BadRequest(f"stream must be true or false, got {stream!r}")

@@ -129,7 +129,8 @@ class VisionServer:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
             failure = errors.failure_for(exc)
             code = failure.rule.grpc
-            await context.abort(code, failure.message)
+            # The kind too: several kinds share a status code (a batch row reports the kind's HTTP status).
+            await context.abort(code, failure.message, trailing_metadata=((errors.KIND_METADATA, failure.kind.value),))
         finally:
             self.metrics.observe(method, code.name, time.perf_counter() - start)
 
