@@ -104,20 +104,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from textcore import mxfp4_triton as k
 
-pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16"}
+pointers = {"x_ptr": "*bf16", "offsets_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16"}
 consts = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "DOT_FP32": False}
-kernel = k._mxfp4_matmul_kernel
-signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32))
-assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
+for kernel in (k._mxfp4_matmul_kernel, k._mxfp4_expert_kernel):
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32))
+    assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
 """
 
 
 def test_gpu_path_compiles_for_hopper(tmp_path):
     """The GPU code path (bf16 tensor-core dots, bf16 stores) never runs in the interpreter: compile
-    the dense kernel (the one MXFP4Linear uses; its K loop is shared with the expert kernel) ahead
-    of time for sm_90 (H100/H200) with Triton's bundled ptxas, no GPU needed. One config only, to
-    keep the test short; bench/gpu_mxfp4.py compiles the rest on a real GPU."""
+    the dense kernel (the one MXFP4Linear uses) and the grouped expert kernel (the MoE's on CUDA)
+    ahead of time for sm_90 (H100/H200) with Triton's bundled ptxas, no GPU needed. One config
+    each, to keep the test short; bench/gpu_mxfp4.py compiles the rest on a real GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], cwd=REPO_ROOT, env=env, check=True, timeout=300)
