@@ -32,7 +32,7 @@ import signal
 import threading
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import cv2
 import numpy as np
@@ -60,6 +60,14 @@ def resolve_patchify(patchify: str, device: str | torch.device) -> str:
     return patchify
 
 
+class Launched(NamedTuple):
+    """An image whose tower has been queued: its rows on the device, and on a GPU the event that
+    marks them computed (None on a CPU, where `launch` returns with them done)."""
+
+    rows: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
 class ImageEncoder:
     """One worker's vision path: encoded bytes -> projector rows on its encoder's device.
     Not thread-safe (one per worker); it owns the buffers every image is built in."""
@@ -70,6 +78,9 @@ class ImageEncoder:
         self.patchify = resolve_patchify(patchify, encoder.device)
         # On a GPU, `launch` returns before the tower has run.
         self.asynchronous = encoder.device.type == "cuda"
+        # Rows are read back on their own stream, so reading image k's waits for k's tower only,
+        # not for image k+1's, queued behind it on the compute stream.
+        self._download = torch.cuda.Stream(encoder.device) if self.asynchronous else None
         self.staging: Staging | None = None
         if self.patchify == "device":
             check_normalise(encoder.device)
@@ -79,26 +90,40 @@ class ImageEncoder:
             self._patches = BufferPool(np.float32)
 
     @torch.inference_mode()
-    def launch(self, data: bytes | memoryview, options: ImageOptions) -> torch.Tensor:
-        """Preprocess one image and queue its tower; the rows `[num_tokens, text_hidden]` on the
-        device (on a GPU still being computed: reading them waits). Raises `ImageError` for bad input."""
+    def launch(self, data: bytes | memoryview, options: ImageOptions) -> Launched:
+        """Preprocess one image and queue its tower and projector. Raises `ImageError` for bad input."""
         plan = plan_image(data, options, self.limits)
         if self.staging is not None:
             pre = preprocess_image(data, options, self.limits, out=self.staging.buffer(plan.image_bytes))
             pixels = patchify_on_device(self.staging.upload(pre.image))
-            return self.encoder.encode([(pixels, pre.grid_thw)])[0]
+            return self._queued(self.encoder.encode([(pixels, pre.grid_thw)])[0])
         with self._images.take(plan.image_bytes) as image, self._patches.take(plan.pixel_values_size) as patches:
             pre = preprocess_image(data, options, self.limits, out=image)
             # The tower has read the patches (on a GPU: copied them from this pageable buffer) when
             # encode returns, so the buffers can be reused for the next image.
-            return self.encoder.encode([(patchify_normalise(pre.image, patches), pre.grid_thw)])[0]
+            return self._queued(self.encoder.encode([(patchify_normalise(pre.image, patches), pre.grid_thw)])[0])
+
+    def _queued(self, rows: torch.Tensor) -> Launched:
+        if not self.asynchronous:
+            return Launched(rows, None)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(rows.device))
+        return Launched(rows, ready)
+
+    def pack(self, launched: Launched, inline_bytes: int) -> tuple[torch.dtype, np.ndarray] | torch.Tensor:
+        """The image's rows as they travel to the parent (`pack_rows`), once computed."""
+        if launched.ready is None:
+            return pack_rows(launched.rows, inline_bytes)
+        with torch.cuda.stream(self._download):
+            self._download.wait_event(launched.ready)
+            return pack_rows(launched.rows, inline_bytes)  # a copy to pageable memory: waits for its stream
 
     def encode(self, data: bytes | memoryview, options: ImageOptions) -> torch.Tensor:
-        """`launch`, then wait for the rows."""
-        rows = self.launch(data, options)
-        if self.asynchronous:
-            torch.cuda.current_stream(rows.device).synchronize()
-        return rows
+        """`launch`, then wait for the rows (on the device)."""
+        launched = self.launch(data, options)
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.rows
 
 
 def _exit_when_parent_dies() -> None:
@@ -144,7 +169,7 @@ def serve(encoder: ImageEncoder, inline_bytes: int, requests: Any, results: Conn
                 msg = False  # nothing waiting: answer what is queued
         if msg is None:
             for answer in answers:
-                _send(results, answer, inline_bytes)
+                _send(encoder, results, answer, inline_bytes)
             return
         running = False
         if msg:
@@ -159,14 +184,14 @@ def serve(encoder: ImageEncoder, inline_bytes: int, requests: Any, results: Conn
                 answers.append(("error", req_id, f"{type(e).__name__}: {e}"))
             del payload
         while len(answers) > (1 if running else 0):
-            _send(results, answers.popleft(), inline_bytes)
+            _send(encoder, results, answers.popleft(), inline_bytes)
 
 
-def _send(results: Connection, answer: tuple[Any, ...], inline_bytes: int) -> None:
+def _send(encoder: ImageEncoder, results: Connection, answer: tuple[Any, ...], inline_bytes: int) -> None:
     kind, req_id, value = answer
     if kind == "ok":
         try:
-            value = pack_rows(value, inline_bytes)
+            value = encoder.pack(value, inline_bytes)
         except Exception as e:  # noqa: BLE001 - a fault on the device surfaces when the rows are read
             kind, value = "error", f"{type(e).__name__}: {e}"
     results.send((kind, req_id, value))
