@@ -3,7 +3,9 @@
 - embed in-process (the engine with only its vision components) with 1 vs 2 CPU encoder workers
   (target: 2 workers >= 1.7x one on 2 cores), alternating runs of the two, median of `--repeats`,
   with the CPU time the parent process and the workers spent per image (the parent competes with
-  the workers for the cores);
+  the workers for the cores); the 2-worker pool twice, with the float patches built on the host
+  (the CPU default) and on the device (`patchify="device"`, what a GPU worker does; here the
+  device is the CPU), so the workers' CPU time per image of the two sits side by side;
 - embed through a server on 127.0.0.1 (the same checkpoint, 2 encoder workers);
 - caption (greedy, --max-new-tokens) in-process and through the server.
 
@@ -98,14 +100,16 @@ async def main_async(args: argparse.Namespace) -> None:
     # runs 2 threads here; "1 worker, 1 thread" isolates the gain from the second worker itself.
     # The configurations alternate, `--repeats` times each, so all see the same background load.
     setups = {
-        "1 encoder worker (default: 2 torch threads)": (1, None),
-        "1 encoder worker, 1 torch thread": (1, 1),
-        "2 encoder workers (default: 1 torch thread each)": (2, None),
+        "1 encoder worker (default: 2 torch threads)": (1, None, "host"),
+        "1 encoder worker, 1 torch thread": (1, 1, "host"),
+        "2 encoder workers (default: 1 torch thread each), host-side patchify": (2, None, "host"),
+        "2 encoder workers (default: 1 torch thread each), device-side patchify": (2, None, "device"),
     }
     pools = {name: EngineBackend(Engine.load(EngineConfig(checkpoint=checkpoint, devices=f"cpu:{w}",
-                                                          threads_per_worker=t, components="vision", cache_bytes=0)),
+                                                          threads_per_worker=t, patchify=patchify,
+                                                          components="vision", cache_bytes=0)),
                                  owns=True)
-             for name, (w, t) in setups.items()}
+             for name, (w, t, patchify) in setups.items()}
     rates: dict[str, list[float]] = {name: [] for name in setups}
     cpu_ms: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}  # (parent, workers) per image
     try:

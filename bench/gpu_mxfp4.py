@@ -12,7 +12,10 @@ Needs a CUDA GPU (target: H100/H200) and TRITON_INTERPRET unset. For each expert
    per weight).
 Then the grouped expert GEMM: B tokens x top-16 routed over `--experts` stacked experts, Triton
 `mxfp4_expert_matmul` against a loop of bf16 `torch.matmul` over the active experts.
-Output is Markdown tables for docs/BENCHMARKS.md.
+Then one Latent MoE layer's routed experts as the trunk runs them (`LatentMoE.routed`: K3 expert
+shapes, `--experts` MXFP4 experts, top-16): grouped (two `expert_matmul` launches, the CUDA
+default) against the per-expert loop (the dense MXFP4 kernel three times per active expert);
+target >= 2x. Output is Markdown tables for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -115,6 +118,58 @@ def main() -> int:
         t_k = bench(partial(mxfp4_expert_matmul, x, offsets, packed, scale))
         t_loop = bench(loop)
         print(f"| {b} | {b * TOP_K} | {len(active)} | {t_k:.1f} | {t_loop:.1f} | {t_loop / t_k:.2f}x | {rel:.1e} |")
+    return moe_layer(batches, e_total, dev, bench)
+
+
+def routed_experts(num_experts: int, device: torch.device):
+    """A K3 Latent MoE layer with `num_experts` random MXFP4 experts on `device`, grouped as a loaded
+    checkpoint's are; only the routed experts are real (the rest stays on the meta device)."""
+    import dataclasses
+
+    from textcore import mxfp4
+    from textcore.config import k3
+    from textcore.moe import LatentMoE
+
+    cfg = dataclasses.replace(k3(), num_experts=num_experts)
+    with torch.device("meta"):
+        moe = LatentMoE(cfg, dtype=torch.bfloat16)
+    for expert in moe.experts:
+        for name in ("w1", "w2", "w3"):
+            meta = getattr(expert, name)
+            layer = mxfp4.MXFP4Linear(meta.in_features, meta.out_features, device=device)
+            w = torch.randn(meta.out_features, meta.in_features, device=device) * meta.in_features ** -0.5
+            layer.weight_packed, layer.weight_scale = mxfp4.quantize(w)
+            setattr(expert, name, layer)
+    assert moe.group_experts()
+    return moe, cfg
+
+
+def moe_layer(batches: list[int], num_experts: int, dev: torch.device, bench) -> int:
+    moe, cfg = routed_experts(num_experts, dev)
+    latent = cfg.routed_expert_hidden_size
+    print(f"\n## Latent MoE routed experts, one layer: {num_experts} MXFP4 experts "
+          f"({latent} -> {cfg.moe_intermediate_size} -> {latent}), top-{TOP_K}\n")
+    print("| tokens | active experts | grouped us | per-expert loop us | speed-up | max rel diff |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for b in batches:
+        z = torch.randn(b, latent, device=dev, generator=gen).bfloat16()
+        ids = torch.rand(b, num_experts, device=dev, generator=gen).topk(TOP_K, dim=-1).indices
+        weights = torch.rand(b, TOP_K, device=dev, generator=gen)
+        weights /= weights.sum(-1, keepdim=True)
+
+        def routed(backend: str, z=z, ids=ids, weights=weights) -> torch.Tensor:
+            moe.expert_backend = backend
+            return moe.routed(z, ids, weights)
+
+        grouped, loop = routed("grouped"), routed("loop")
+        rel = ((grouped - loop).abs().max() / loop.abs().max()).item()
+        if not rel < 1e-2:
+            print(f"error: grouped MoE differs from the loop at {b} tokens: max relative {rel:.3e}", file=sys.stderr)
+            return 1
+        t_grouped, t_loop = bench(partial(routed, "grouped")), bench(partial(routed, "loop"))
+        active = int(torch.unique(ids).numel())
+        print(f"| {b} | {active} | {t_grouped:.1f} | {t_loop:.1f} | {t_loop / t_grouped:.2f}x | {rel:.1e} |")
     return 0
 
 

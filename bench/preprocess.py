@@ -8,17 +8,24 @@ transparency) it prints the median of N runs of:
   decode        Image.open + load: the pixel decode alone (no numpy array)
   decode+array  decode, then np.asarray: what any numpy consumer of Pillow pays at least
   straight      the plain reference path (tests/k3_reference.py), pixel_values included
+  sglang        SGLang's exact CPU path (python/sglang/srt/multimodal/cpu_image_processing.py,
+                the fastest exact public one), restated here: the reference's uint8 steps, then
+                its table patchify (uint8 re-layout, one table gather per channel, fresh output)
   project       vision.preprocess_image: padded uint8 model input, pixel_values NOT built
-  project+pv    the same, then .pixel_values (float32 [N,3,14,14]) built
+  project+pv    the same, then .pixel_values (float32 [N,3,14,14]) built in a fresh array
+  worker+pv     what a CPU encoder worker runs: the padded image and then pixel_values built in
+                buffers reused from image to image (vision.buffers.BufferPool: no fresh pages)
   pv-write      allocating and filling a float32 array the size of pixel_values: a floor for
                 building them (every byte of the output written once, nothing read)
   before, before+pv  (with --before REV) project and project+pv for vision/preprocess.py as it was
                 at git revision REV, loaded next to the current one
   count         vision.count_tokens (header only)
 and the ratios straight/project+pv (target >= 4x on the 12 MP JPEG), project/decode and
-project+pv/decode (target <= 1.5x decode on the 12 MP JPEG), decode/count (target >= 100x).
+project+pv/decode (target <= 1.5x decode on the 12 MP JPEG), worker+pv/decode (target <= 1.8x
+on the 12 MP JPEG, one core), sglang/worker+pv (target >= 2.5x), decode/count (target >= 100x).
 The timed calls take turns (one run of each, N times over), so load that drifts during the run
-hits every column alike. Everything is single-threaded except what OpenCV threads internally.
+hits every column alike. Everything is single-threaded except what OpenCV threads internally;
+--one-core pins the process to one CPU and OpenCV to one thread (what the worker+pv target is on).
 Every class first checks that the project output is bit-identical to the straightforward one.
 With --fast it also times resize="fast" on the 48 MP class and reports its error against the
 exact path for OpenCV INTER_AREA (what "fast" uses) and INTER_CUBIC.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import os
 import statistics
 import subprocess
 import sys
@@ -36,14 +44,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import cv2
 import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from k3_reference import reference_preprocess  # noqa: E402
+from k3_reference import reference_image, reference_preprocess  # noqa: E402
 
-from vision import count_tokens, preprocess_image  # noqa: E402
+from vision import count_tokens, plan_image, preprocess_image  # noqa: E402
+from vision.buffers import BufferPool  # noqa: E402
+from vision.preprocess import NORMALISE_TABLE, patchify_normalise  # noqa: E402
 
 
 def _photo(w: int, h: int, seed: int = 0) -> np.ndarray:
@@ -125,24 +136,54 @@ def preprocess_at(rev: str) -> Callable[..., object]:
     return module.preprocess_image
 
 
-def check_identical(data: bytes, before: Callable[..., object] | None) -> None:
+def sglang_table_path(data: bytes) -> np.ndarray:
+    """SGLang's exact CPU preprocessing, restated (not its code): the processor's own uint8 steps
+    (here the reference's: decode, resize, fill, pad), then the uint8 image re-laid into patch
+    order and one 256-entry table gather per channel into a new float32 array."""
+    image = reference_image(data)[2]
+    h, w, c = image.shape
+    patches = np.ascontiguousarray(image.reshape(h // 14, 14, w // 14, 14, c).transpose(0, 2, 4, 1, 3))
+    out = np.empty(patches.shape, dtype=np.float32)
+    for channel in range(c):
+        out[:, :, channel] = NORMALISE_TABLE[patches[:, :, channel]]
+    return out.reshape(-1, c, 14, 14)
+
+
+class WorkerPath:
+    """A CPU encoder worker's host path: image and pixel_values built in buffers it reuses."""
+
+    def __init__(self) -> None:
+        self.images, self.patches = BufferPool(np.uint8), BufferPool(np.float32)
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        plan = plan_image(data)
+        with self.images.take(plan.image_bytes) as image, self.patches.take(plan.pixel_values_size) as values:
+            return patchify_normalise(preprocess_image(data, out=image).image, values)
+
+
+def check_identical(data: bytes, before: Callable[..., object] | None, worker: WorkerPath) -> None:
     ref = reference_preprocess(data)
     ref_pv = ref["pixel_values"].view(np.uint32)
     for fn in (preprocess_image, before) if before else (preprocess_image,):
         got = fn(data)
         assert np.array_equal(got.image, ref["image"]), "image differs"
         assert np.array_equal(got.pixel_values.view(np.uint32), ref_pv), "pixels differ"
+    assert np.array_equal(worker(data).view(np.uint32), ref_pv), "worker pixels differ"
+    assert np.array_equal(sglang_table_path(data).view(np.uint32), ref_pv), "sglang pixels differ"
 
 
 def bench_class(name: str, repeats: int, before: Callable[..., object] | None) -> dict:
     data = make_class(name)
-    check_identical(data, before)
+    worker = WorkerPath()
+    check_identical(data, before, worker)
     pv_shape = preprocess_image(data).pixel_values.shape
     fns = {
         "decode": lambda: decode_only(data),
         "decode+array": lambda: np.asarray(decode_only(data)),
+        "sglang": lambda: sglang_table_path(data),
         "project": lambda: preprocess_image(data),
         "project+pv": lambda: preprocess_image(data).pixel_values,
+        "worker+pv": lambda: worker(data),
         "pv-write": lambda: np.empty(pv_shape, np.float32).fill(1.0),
     }
     if before:
@@ -155,8 +196,6 @@ def bench_class(name: str, repeats: int, before: Callable[..., object] | None) -
 
 
 def fast_report(repeats: int) -> None:
-    import cv2
-
     from vision import preprocess as pp
 
     data = make_class("48mp")
@@ -184,18 +223,24 @@ def main() -> None:
     parser.add_argument("--classes", default="12mp,48mp,rgba4mp,palette")
     parser.add_argument("--fast", action="store_true", help="also report resize='fast' speed and error")
     parser.add_argument("--before", metavar="GIT_REV", help="also time vision/preprocess.py as of this revision")
+    parser.add_argument("--one-core", action="store_true", help="run on one CPU, OpenCV on one thread")
     args = parser.parse_args()
+    if args.one_core:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        cv2.setNumThreads(1)
     Image.init()
     before = preprocess_at(args.before) if args.before else None
     preprocess_image(make_class("palette"))  # warm-up: plugin registration, cv2 import
     rows = [bench_class(name, args.repeats, before) for name in args.classes.split(",")]
-    cols = ["decode", "decode+array", "straight", "project", "project+pv", "pv-write"]
+    cols = ["decode", "decode+array", "straight", "sglang", "project", "project+pv", "worker+pv", "pv-write"]
     cols += ["before", "before+pv"] if before else []
     cols += ["count"]
     ratios = {  # label -> (numerator, denominator)
         "straight / project+pv": ("straight", "project+pv"),
         "project / decode": ("project", "decode"),
         "project+pv / decode": ("project+pv", "decode"),
+        "worker+pv / decode": ("worker+pv", "decode"),
+        "sglang / worker+pv": ("sglang", "worker+pv"),
     }
     if before:
         ratios["before / decode"] = ("before", "decode")

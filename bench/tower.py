@@ -6,7 +6,9 @@
   1,024 tokens), and on a packed batch of four 32x32 images: patches/s and achieved GFLOP/s;
 - eight 448x448 PNGs (32x32 patches each) decoded, preprocessed and encoded in-process, and the
   same bytes through an `EncoderPool` with 1 and with 2 CPU workers (submitted at once), in the
-  same run, so the pool's transport overhead and the 2-worker scaling can be read side by side.
+  same run, so the pool's transport overhead and the 2-worker scaling can be read side by side;
+  each pool twice, with the float patches built on the host and on the device (`patchify`; here
+  the device is the CPU), with the workers' CPU time per image (user + system, from /proc).
 
 Figures are medians of `--repeats` runs (the dev machine is shared and noisy). Weights are the
 deterministic tiny random checkpoint (speed does not depend on the values).
@@ -23,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from bench.batch import cpu_seconds
 from vision.config import VisionConfig
 
 
@@ -81,7 +84,7 @@ def main() -> None:
         enc = VisionEncoder.from_checkpoint(ckpt)
         cfg = enc.config
         print(f"tiny config, float32, {args.threads} torch threads, median of {args.repeats}")
-        print(f"{'case':<28} {'patches':>8} {'ms':>9} {'patches/s':>11} {'GFLOP/s':>8}")
+        print(f"{'case':<30} {'patches':>8} {'ms':>9} {'patches/s':>11} {'GFLOP/s':>8}")
         cases = [
             ("1 image 16x16", [random_item(16, 16)]),
             ("1 image 32x32", [random_item(32, 32)]),
@@ -93,7 +96,7 @@ def main() -> None:
             patches = sum(t * h * w for t, h, w in grids)
             s = median_seconds(lambda items=items: enc.encode(items), args.repeats)
             gflops = tower_flops(cfg, grids) / s / 1e9
-            print(f"{name:<28} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f} {gflops:>8.2f}")
+            print(f"{name:<30} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f} {gflops:>8.2f}")
 
         if args.no_pool:
             return
@@ -103,18 +106,24 @@ def main() -> None:
         batch = [random_png(448, 448, s) for s in range(8)]
         patches = 8 * 32 * 32
         s = median_seconds(lambda: [enc.encode([preprocess_image(data)]) for data in batch], args.repeats)
-        print(f"{'8 x 32x32 in-process':<28} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
+        print(f"{'8 x 32x32 in-process':<30} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
+        print(f"{'':<30} {'':>8} {'':>9} {'':>11} {'':>8} {'worker CPU ms/image':>20}")
         for workers in (1, 2):
             threads = max(1, args.threads // workers)
-            with EncoderPool(ckpt, workers=workers, threads_per_worker=threads) as pool:
-                def run(pool=pool) -> None:
-                    futures = [pool.submit(data, DEFAULT_OPTIONS, 32 * 32) for data in batch]
-                    for future in futures:
-                        future.result()
+            for patchify in ("host", "device"):
+                with EncoderPool(ckpt, workers=workers, threads_per_worker=threads, patchify=patchify) as pool:
+                    def run(pool=pool) -> None:
+                        futures = [pool.submit(data, DEFAULT_OPTIONS, 32 * 32) for data in batch]
+                        for future in futures:
+                            future.result()
 
-                s = median_seconds(run, args.repeats)
-            name = f"8 x 32x32 pool {workers}w x {threads}t"
-            print(f"{name:<28} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
+                    pids = [w["pid"] for w in pool.health()["workers"]]
+                    run()  # warm-up, outside the CPU count
+                    cpu = cpu_seconds(pids)
+                    s = median_seconds(run, args.repeats)
+                    cpu_ms = 1e3 * (cpu_seconds(pids) - cpu) / ((args.repeats + 1) * len(batch))
+                name = f"8 x 32x32 pool {workers}w x {threads}t {patchify}"
+                print(f"{name:<30} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f} {'':>8} {cpu_ms:>20.1f}")
 
 
 if __name__ == "__main__":

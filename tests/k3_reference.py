@@ -37,7 +37,8 @@ def reference_fill(image: Image.Image) -> np.ndarray:
     return out.astype(np.uint8)
 
 
-def reference_preprocess(data: bytes) -> dict:
+def reference_image(data: bytes) -> tuple[tuple[int, int], tuple[int, int], np.ndarray]:
+    """(original size, resized size, padded uint8 image): the steps before normalisation."""
     image = Image.open(io.BytesIO(data))
     width, height = image.size
     new_w, new_h = reference_size(width, height)
@@ -46,6 +47,11 @@ def reference_preprocess(data: bytes) -> dict:
     pad_h = (28 - new_h % 28) % 28
     pad_w = (28 - new_w % 28) % 28
     array = np.pad(array, ((0, pad_h), (0, pad_w), (0, 0)), mode="constant", constant_values=0)
+    return (width, height), (new_w, new_h), array
+
+
+def reference_preprocess(data: bytes) -> dict:
+    (width, height), (new_w, new_h), array = reference_image(data)
     x = (array / 255.0).astype(np.float32)
     x = x - np.array([0.5, 0.5, 0.5])
     x = x * (1.0 / np.array([0.5, 0.5, 0.5]))

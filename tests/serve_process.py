@@ -108,8 +108,10 @@ class ServeProcess:
             return False
 
     def encoder_workers(self) -> list[psutil.Process]:
-        """The encoder pool's worker processes (spawned children; not the resource tracker)."""
-        return [p for p in self.process.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        """The encoder pool's worker processes: the children of the pool's forkserver (the server's
+        child whose command line runs multiprocessing.forkserver; not the resource tracker)."""
+        servers = [p for p in self.process.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        return [worker for server in servers for worker in server.children()]
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -104,20 +104,85 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from textcore import mxfp4_triton as k
 
-pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16"}
+pointers = {"x_ptr": "*bf16", "offsets_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16"}
 consts = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "DOT_FP32": False}
-kernel = k._mxfp4_matmul_kernel
-signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32))
-assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
+for kernel in (k._mxfp4_matmul_kernel, k._mxfp4_expert_kernel):
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32))
+    assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
 """
 
 
 def test_gpu_path_compiles_for_hopper(tmp_path):
     """The GPU code path (bf16 tensor-core dots, bf16 stores) never runs in the interpreter: compile
-    the dense kernel (the one MXFP4Linear uses; its K loop is shared with the expert kernel) ahead
-    of time for sm_90 (H100/H200) with Triton's bundled ptxas, no GPU needed. One config only, to
-    keep the test short; bench/gpu_mxfp4.py compiles the rest on a real GPU."""
+    the dense kernel (the one MXFP4Linear uses) and the grouped expert kernel (the MoE's on CUDA)
+    ahead of time for sm_90 (H100/H200) with Triton's bundled ptxas, no GPU needed. One config
+    each, to keep the test short; bench/gpu_mxfp4.py compiles the rest on a real GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], cwd=REPO_ROOT, env=env, check=True, timeout=300)
+
+
+def _packed_moe(seed: int):
+    """Layer 1's Latent MoE of the tiny trunk (8 experts, top-2, latent 32 -> 32) with its routed
+    experts' w1/w2/w3 packed as MXFP4, as a quantised checkpoint loads them, and grouped."""
+    from textcore.config import tiny
+    from textcore.model import KimiLinearForCausalLM
+
+    moe = KimiLinearForCausalLM.random(tiny(), seed=seed).model.layers[1].block_sparse_moe
+    for expert in moe.experts:
+        for name in ("w1", "w2", "w3"):
+            setattr(expert, name, mxfp4.MXFP4Linear.from_linear(getattr(expert, name)))
+    assert moe.group_experts()
+    return moe
+
+
+def test_grouped_moe_equals_the_per_expert_loop(torch_one_thread):
+    """The routed experts as two grouped Triton launches (w1 with w3, then w2) give what the
+    per-expert loop gives (the CPU / reference path), with experts that get no token, one token,
+    and many."""
+    moe = _packed_moe(seed=5)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(6))
+    x = torch.cat([x, x[:1].expand(20, 64)])  # 20 copies of one token: its two experts get many rows
+    ids, weights = moe.gate(x)
+    counts = torch.bincount(ids.reshape(-1), minlength=8)
+    assert counts.max() >= 21 and (counts <= 1).any(), counts.tolist()
+    z = moe.routed_expert_down_proj(x)
+    moe.expert_backend = "loop"
+    loop = moe.routed(z, ids, weights)
+    want = moe(x)
+    moe.expert_backend = "grouped"
+    grouped = moe.routed(z, ids, weights)
+    assert grouped.dtype == torch.float32 and grouped.shape == (57, 32)
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+    moe.expert_backend = "auto"  # on the CPU: the loop
+    assert torch.equal(moe(x), want)
+
+
+def test_grouped_experts_hold_their_weights_once():
+    moe = _packed_moe(seed=7)
+    gate_up_packed, gate_up_scale, down_packed, _ = moe._grouped
+    assert (gate_up_packed.shape, gate_up_scale.shape, down_packed.shape) == ((8, 64, 16), (8, 64, 1), (8, 32, 16))
+    w1, w3, w2 = moe.experts[5].w1, moe.experts[5].w3, moe.experts[5].w2
+    # Each expert's buffers are views of the stacks (one copy of the weights), under their checkpoint names.
+    assert w1.weight_packed.data_ptr() == gate_up_packed[5].data_ptr()
+    assert w3.weight_packed.data_ptr() == gate_up_packed[5, 32:].data_ptr()
+    assert w2.weight_scale.data_ptr() == moe._grouped[3][5].data_ptr()
+    assert {"experts.5.w1.weight_packed", "experts.5.w3.weight_scale", "experts.5.w2.weight_packed"} <= set(
+        moe.state_dict())
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8))
+    moe.expert_backend = "grouped"
+    before = moe(x)
+    # A move replaces every tensor by a copy (what .to(device) does): the experts are stacked again.
+    moe._apply(torch.clone)
+    assert moe.experts[5].w1.weight_packed.data_ptr() == moe._grouped[0][5].data_ptr() != gate_up_packed[5].data_ptr()
+    assert torch.equal(moe(x), before)
+    from textcore.config import tiny
+    from textcore.model import KimiLinearForCausalLM
+
+    dense = KimiLinearForCausalLM.random(tiny(), seed=7).model.layers[1].block_sparse_moe
+    assert not dense.group_experts()  # dense experts: nothing to stack, they take the loop
+    dense.expert_backend = "grouped"
+    with pytest.raises(ValueError, match="needs MXFP4 experts"):
+        dense(x)

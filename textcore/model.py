@@ -185,7 +185,11 @@ class KimiLinearForCausalLM(nn.Module):
         if quant:
             _apply_quantization(model, quant, prefix, ck)
         ck.load_into(model, prefix)
-        return model.to(device).eval()
+        model = model.to(device).eval()
+        for module in model.modules():
+            if isinstance(module, LatentMoE):
+                module.group_experts()  # MXFP4 experts: stacked for the grouped kernel (used on CUDA)
+        return model
 
     @classmethod
     def random(cls, cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> KimiLinearForCausalLM:

@@ -7,14 +7,26 @@ Latent MoE (K3_FACTS section 4): an fp32 sigmoid router on the full-width x pick
 by score + e_score_correction_bias but weights them by the unbiased scores, renormalised and
 scaled; the routed experts run in a narrower latent space (down proj -> experts -> weighted sum
 -> RMSNorm -> up proj); the shared experts (one SiTU MLP) run on the original x.
+
+The routed experts run one of two ways, with the same result up to float32 summation order:
+- the per-expert loop (CPU, dense experts, the reference): the (token, slot) pairs sorted by
+  expert, one call of each active expert on exactly its rows;
+- grouped (MXFP4 experts on CUDA): the same sort, then one grouped-GEMM launch over all experts
+  for w1 and w3 together and one for w2 (`textcore.mxfp4.expert_matmul`), instead of three
+  launches per active expert. `group_experts` stacks the packed weights for it once, and each
+  expert's own buffers become views of the stack (the weights stay in memory once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from textcore import mxfp4
 from textcore.kda import RMSNorm, linear
+from textcore.mxfp4 import PACKED_SUFFIX, SCALE_SUFFIX, MXFP4Linear
 
 RENORM_EPS = 1e-20
 
@@ -72,8 +84,29 @@ class Router(nn.Module):
         return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * self.scaling
 
 
+EXPERT_BACKENDS = ("auto", "grouped", "loop")
+
+
+def _stack(groups: list[list[MXFP4Linear]], name: str) -> torch.Tensor:
+    """`[E, rows, cols]`: buffer `name` of each expert's layers, one layer's rows over the next's;
+    each layer's buffer becomes a view into it as it is copied (so the old one is freed)."""
+    first = getattr(groups[0][0], name)
+    rows = sum(getattr(layer, name).shape[0] for layer in groups[0])
+    out = torch.empty(len(groups), rows, first.shape[1], dtype=first.dtype, device=first.device)
+    for e, layers in enumerate(groups):
+        top = 0
+        for layer in layers:
+            part = getattr(layer, name)
+            view = out[e, top:top + part.shape[0]]
+            view.copy_(part)
+            setattr(layer, name, view)
+            top += part.shape[0]
+    return out
+
+
 class LatentMoE(nn.Module):
-    """The checkpoint's `block_sparse_moe`."""
+    """The checkpoint's `block_sparse_moe`. `expert_backend`: "auto" (grouped for grouped MXFP4
+    experts on CUDA, else the loop), "grouped" or "loop" to force one."""
 
     def __init__(self, cfg, dtype=None):
         super().__init__()
@@ -86,18 +119,63 @@ class LatentMoE(nn.Module):
         self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps, dtype=dtype)
         self.routed_expert_up_proj = linear(latent, hidden, dtype)
         self.shared_experts = SiTUMLP(hidden, cfg.shared_intermediate_size, cfg, dtype)
+        self.betas = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.expert_backend = "auto"
+        # (w1 over w3 packed [E, 2I, K/2], its scales [E, 2I, K/32], w2 packed [E, H, I/2], its scales)
+        self._grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def group_experts(self) -> bool:
+        """Stack the MXFP4 experts' weights for the grouped path (once, after loading; each
+        expert's buffers become views of the stacks). False, and nothing changes, unless every
+        expert's w1/w2/w3 is an MXFP4Linear without bias."""
+        layers = [(e.w1, e.w3, e.w2) for e in self.experts]
+        if not all(isinstance(m, MXFP4Linear) and m.bias is None for trio in layers for m in trio):
+            return False
+        gate_up = [[w1, w3] for w1, w3, _ in layers]
+        down = [[w2] for _, _, w2 in layers]
+        self._grouped = (_stack(gate_up, PACKED_SUFFIX), _stack(gate_up, SCALE_SUFFIX),
+                         _stack(down, PACKED_SUFFIX), _stack(down, SCALE_SUFFIX))
+        return True
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LatentMoE:
+        # A move (`.to(device)`, ...) replaces each expert's view by a copy of its own: stack again
+        # on the new device, so the weights stay in memory once.
+        grouped = self._grouped
+        super()._apply(fn, recurse)
+        w1 = self.experts[0].w1.weight_packed if grouped is not None else None
+        if grouped is not None and (w1.device != grouped[0].device or w1.data_ptr() != grouped[0].data_ptr()):
+            self._grouped = None
+            self.group_experts()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.gate(flat)
         z = self.routed_expert_down_proj(flat)
-        routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-        # group the (token, slot) pairs by expert: one call per expert on exactly its rows
+        routed = self.routed(z, ids, weights)
+        out = self.routed_expert_up_proj(self.routed_expert_norm(routed.to(z.dtype)))
+        return (out + self.shared_experts(flat)).reshape(shape)
+
+    def routed(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts on latent rows z `[N, latent]`: float32 `[N, latent]`, each row the
+        `weights`-weighted sum of its experts `ids` `[N, k]` (the router's output)."""
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}")
+        if self.expert_backend == "grouped" and self._grouped is None:
+            raise ValueError("expert_backend 'grouped' needs MXFP4 experts stacked by group_experts()")
+        grouped = self._grouped is not None and (self.expert_backend == "grouped" or
+                                                 (self.expert_backend == "auto" and z.is_cuda))
+        # Group the (token, slot) pairs by expert.
         expert_of = ids.reshape(-1)
         order = torch.argsort(expert_of, stable=True)
-        counts = torch.bincount(expert_of, minlength=len(self.experts)).tolist()
         token_of = order // ids.shape[1]
+        return (self._grouped_experts if grouped else self._expert_loop)(z, ids, weights, order, token_of)
+
+    def _expert_loop(self, z, ids, weights, order, token_of) -> torch.Tensor:
+        """One call per active expert on exactly its rows."""
+        routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        counts = torch.bincount(ids.reshape(-1), minlength=len(self.experts)).tolist()
         weight_of = weights.reshape(-1)[order]
         start = 0
         for e, n in enumerate(counts):
@@ -106,5 +184,20 @@ class LatentMoE(nn.Module):
                 y = self.experts[e](z[rows])
                 routed[rows] += y.float() * weight_of[start:start + n, None]  # a token meets an expert once
                 start += n
-        out = self.routed_expert_up_proj(self.routed_expert_norm(routed.to(z.dtype)))
-        return (out + self.shared_experts(flat)).reshape(shape)
+        return routed
+
+    def _grouped_experts(self, z, ids, weights, order, token_of) -> torch.Tensor:
+        """Two grouped launches over all experts (w1 with w3, then w2); no host sync."""
+        gate_up_packed, gate_up_scale, down_packed, down_scale = self._grouped
+        num_experts = gate_up_packed.shape[0]
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=z.device)
+        offsets[1:] = torch.bincount(ids.reshape(-1), minlength=num_experts).cumsum(0)
+        rows = z[token_of]  # sorted by expert
+        gate_up = mxfp4.expert_matmul(rows, offsets, gate_up_packed, gate_up_scale, backend="triton")
+        inter = gate_up.shape[1] // 2
+        y = mxfp4.expert_matmul(situ(gate_up[:, :inter], gate_up[:, inter:], *self.betas), offsets,
+                                down_packed, down_scale, backend="triton")
+        # Back to (token, slot) order, then the weighted sum over the slots (no atomics: deterministic).
+        by_slot = torch.empty_like(y)
+        by_slot[order] = y
+        return (by_slot.float().view(*ids.shape, -1) * weights[..., None]).sum(1)

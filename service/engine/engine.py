@@ -154,6 +154,7 @@ class EngineConfig:
     checkpoint: str | os.PathLike[str]  # resolved by the caller (the CLI resolves the embedded default)
     devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
     threads_per_worker: int | None = None  # torch/OpenCV threads per encoder worker (None: cores / workers)
+    patchify: str = "auto"  # where encoder workers build the float patches: auto (GPU: device) | device | host
     components: Components = "all"  # "vision": tokenizer, tower and projector only; no trunk is loaded
     # The model id vLLM runs (`vllm serve MODEL`): it keys vLLM's mm_hash of every image, and names
     # the model to OpenAI clients. None: the checkpoint's `_name_or_path`, else DEFAULT_MODEL_ID.
@@ -259,7 +260,7 @@ class Engine:
         Checkpoint(directory).close()  # a missing or broken checkpoint is named before anything starts
         tokenizer = Tokenizer.from_pretrained(directory)
         pool = EncoderPool(directory, config.devices, limits=config.limits,
-                           threads_per_worker=config.threads_per_worker)
+                           threads_per_worker=config.threads_per_worker, patchify=config.patchify)
         model = None
         try:
             if config.components == "all":

@@ -1,12 +1,23 @@
 """One encoder worker process: encoded image bytes in, projector rows out, on one device.
 
-The worker runs the whole vision path for each request it is sent: `vision.preprocess_image`
-(decode, resize, compositing, padding) and the tower and projector of `vision.VisionEncoder`. The
-parent (`service.engine.pool`) has only read the image's header. Messages:
+The worker runs the whole vision path for each request it is sent (`ImageEncoder`):
+`vision.preprocess_image` (decode, resize, compositing, padding), the patches (normalised float32
+`pixel_values`), and the tower and projector of `vision.VisionEncoder`. The parent
+(`service.engine.pool`) has only read the image's header. Messages:
 
     parent -> worker  (request id, image bytes, ImageOptions) | None to stop
     worker -> parent  ("ready", pid) | ("failed", why)                 once, at start
                       ("ok", id, rows) | ("bad_image", id, ImageError) | ("error", id, why)
+
+Patches are built on the device (`patchify="device"`, the default on a GPU): the padded uint8
+image goes through the worker's staging buffer to the card (`service.engine.staging`) and
+`vision.patchify` builds `pixel_values` there, so the host never writes the float32 patches (4x
+the image's bytes) nor copies them to the card. `patchify="host"` (the default on a CPU) builds
+them on the host, into a buffer the worker reuses (no fresh pages per image).
+
+On a GPU the tower runs asynchronously: after queueing image k the worker takes image k+1 if one
+is waiting, decodes it and queues its copy while the card still works on k, then answers k. The
+answers keep the order of the requests.
 
 Bytes and rows up to `inline_bytes` are pickled through the queue and pipe; larger ones travel as
 a shared-memory tensor (`/dev/shm`) whose handle is pickled (see the pool's module doc).
@@ -16,22 +27,103 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import threading
+from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import cv2
 import numpy as np
 import torch
 
+from service.engine.staging import Staging
+from vision.buffers import BufferPool
 from vision.decode import Limits
 from vision.encoder import VisionEncoder
 from vision.errors import ImageError
 from vision.options import ImageOptions
-from vision.preprocess import preprocess_image
+from vision.patchify import check_normalise, patchify_on_device
+from vision.preprocess import patchify_normalise, plan_image, preprocess_image
 
 Payload = bytes | torch.Tensor  # inline bytes, or a uint8 shared-memory tensor holding them
+PATCHIFY = ("auto", "device", "host")
+
+
+def resolve_patchify(patchify: str, device: str | torch.device) -> str:
+    """"device" or "host": where a worker on `device` builds the float patches ("auto": on a GPU, the device)."""
+    if patchify not in PATCHIFY:
+        raise ValueError(f"patchify must be one of {PATCHIFY}, got {patchify!r}")
+    if patchify == "auto":
+        return "device" if torch.device(device).type == "cuda" else "host"
+    return patchify
+
+
+class Launched(NamedTuple):
+    """An image whose tower has been queued: its rows on the device, and on a GPU the event that
+    marks them computed (None on a CPU, where `launch` returns with them done)."""
+
+    rows: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class ImageEncoder:
+    """One worker's vision path: encoded bytes -> projector rows on its encoder's device.
+    Not thread-safe (one per worker); it owns the buffers every image is built in."""
+
+    def __init__(self, encoder: VisionEncoder, limits: Limits, patchify: str = "auto") -> None:
+        self.encoder = encoder
+        self.limits = limits
+        self.patchify = resolve_patchify(patchify, encoder.device)
+        # On a GPU, `launch` returns before the tower has run.
+        self.asynchronous = encoder.device.type == "cuda"
+        # Rows are read back on their own stream, so reading image k's waits for k's tower only,
+        # not for image k+1's, queued behind it on the compute stream.
+        self._download = torch.cuda.Stream(encoder.device) if self.asynchronous else None
+        self.staging: Staging | None = None
+        if self.patchify == "device":
+            check_normalise(encoder.device)
+            self.staging = Staging(encoder.device)
+        else:
+            self._images = BufferPool(np.uint8)
+            self._patches = BufferPool(np.float32)
+
+    @torch.inference_mode()
+    def launch(self, data: bytes | memoryview, options: ImageOptions) -> Launched:
+        """Preprocess one image and queue its tower and projector. Raises `ImageError` for bad input."""
+        plan = plan_image(data, options, self.limits)
+        if self.staging is not None:
+            pre = preprocess_image(data, options, self.limits, out=self.staging.buffer(plan.image_bytes))
+            pixels = patchify_on_device(self.staging.upload(pre.image))
+            return self._queued(self.encoder.encode([(pixels, pre.grid_thw)])[0])
+        with self._images.take(plan.image_bytes) as image, self._patches.take(plan.pixel_values_size) as patches:
+            pre = preprocess_image(data, options, self.limits, out=image)
+            # The tower has read the patches (on a GPU: copied them from this pageable buffer) when
+            # encode returns, so the buffers can be reused for the next image.
+            return self._queued(self.encoder.encode([(patchify_normalise(pre.image, patches), pre.grid_thw)])[0])
+
+    def _queued(self, rows: torch.Tensor) -> Launched:
+        if not self.asynchronous:
+            return Launched(rows, None)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(rows.device))
+        return Launched(rows, ready)
+
+    def pack(self, launched: Launched, inline_bytes: int) -> tuple[torch.dtype, np.ndarray] | torch.Tensor:
+        """The image's rows as they travel to the parent (`pack_rows`), once computed."""
+        if launched.ready is None:
+            return pack_rows(launched.rows, inline_bytes)
+        with torch.cuda.stream(self._download):
+            self._download.wait_event(launched.ready)
+            return pack_rows(launched.rows, inline_bytes)  # a copy to pageable memory: waits for its stream
+
+    def encode(self, data: bytes | memoryview, options: ImageOptions) -> torch.Tensor:
+        """`launch`, then wait for the rows (on the device)."""
+        launched = self.launch(data, options)
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.rows
 
 
 def _exit_when_parent_dies() -> None:
@@ -42,8 +134,8 @@ def _exit_when_parent_dies() -> None:
 
 
 def worker_main(device: str, checkpoint_dir: str, dtype: torch.dtype | None, threads: int, limits: Limits,
-                inline_bytes: int, requests: Any, results: Connection) -> None:
-    """The process body (spawned by the pool)."""
+                patchify: str, inline_bytes: int, requests: Any, results: Connection) -> None:
+    """The process body (started by the pool from its preloaded forkserver)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     torch.set_num_threads(threads)
@@ -53,33 +145,56 @@ def worker_main(device: str, checkpoint_dir: str, dtype: torch.dtype | None, thr
     cv2.setNumThreads(threads)
     try:
         if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        encoder = VisionEncoder.from_checkpoint(checkpoint_dir, device=device, dtype=dtype)
+            torch.cuda.set_device(device)  # CUDA starts here, in the worker, never in its parents
+        encoder = ImageEncoder(VisionEncoder.from_checkpoint(checkpoint_dir, device=device, dtype=dtype), limits,
+                               patchify)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         results.send(("failed", f"{type(e).__name__}: {e}"))
         return
     results.send(("ready", os.getpid()))
+    serve(encoder, inline_bytes, requests, results)
+
+
+def serve(encoder: ImageEncoder, inline_bytes: int, requests: Any, results: Connection) -> None:
+    """Answer requests until the stop message. On a GPU, image k's answer waits until image k+1
+    (when one is already waiting) has been preprocessed and queued, so the two overlap."""
+    answers: deque[tuple[Any, ...]] = deque()  # in request order; only the last may still be on the device
     while True:
-        msg = requests.get()
+        if not answers:
+            msg = requests.get()
+        else:
+            try:
+                msg = requests.get_nowait()
+            except queue.Empty:
+                msg = False  # nothing waiting: answer what is queued
         if msg is None:
+            for answer in answers:
+                _send(encoder, results, answer, inline_bytes)
             return
-        req_id, payload, options = msg
-        del msg
-        try:
-            rows = encode_bytes(encoder, unpack_bytes(payload), options, limits)
+        running = False
+        if msg:
+            req_id, payload, options = msg
+            del msg
+            try:
+                answers.append(("ok", req_id, encoder.launch(unpack_bytes(payload), options)))
+                running = encoder.asynchronous
+            except ImageError as e:  # bad input (ImageError subclasses pickle): the caller gets it as is
+                answers.append(("bad_image", req_id, e))
+            except Exception as e:  # noqa: BLE001 - one bad image must not kill the worker
+                answers.append(("error", req_id, f"{type(e).__name__}: {e}"))
             del payload
-            results.send(("ok", req_id, pack_rows(rows, inline_bytes)))
-        except ImageError as e:  # bad input (ImageError subclasses pickle): the caller gets it as is
-            results.send(("bad_image", req_id, e))
-        except Exception as e:  # noqa: BLE001 - one bad image must not kill the worker
-            results.send(("error", req_id, f"{type(e).__name__}: {e}"))
+        while len(answers) > (1 if running else 0):
+            _send(encoder, results, answers.popleft(), inline_bytes)
 
 
-@torch.inference_mode()
-def encode_bytes(encoder: VisionEncoder, data: bytes | memoryview, options: ImageOptions,
-                 limits: Limits) -> torch.Tensor:
-    """Encoded image bytes -> projector rows `[num_tokens, text_hidden]`: the one vision path."""
-    return encoder.encode([preprocess_image(data, options, limits)])[0]
+def _send(encoder: ImageEncoder, results: Connection, answer: tuple[Any, ...], inline_bytes: int) -> None:
+    kind, req_id, value = answer
+    if kind == "ok":
+        try:
+            value = encoder.pack(value, inline_bytes)
+        except Exception as e:  # noqa: BLE001 - a fault on the device surfaces when the rows are read
+            kind, value = "error", f"{type(e).__name__}: {e}"
+    results.send((kind, req_id, value))
 
 
 # -- transport ---------------------------------------------------------------------------------
@@ -101,11 +216,14 @@ def unpack_bytes(payload: Payload) -> bytes | memoryview:
 
 
 def pack_rows(rows: torch.Tensor, inline_bytes: int) -> tuple[torch.dtype, np.ndarray] | torch.Tensor:
-    """Small rows as (dtype, their bytes) pickled by value (numpy has no bfloat16); large ones in shared memory."""
-    rows = rows.cpu().contiguous()
-    if rows.nbytes <= inline_bytes:
+    """Small rows as (dtype, their bytes) pickled by value (numpy has no bfloat16); large ones in
+    shared memory, copied there straight from the device (one copy, not two)."""
+    if rows.numel() * rows.element_size() <= inline_bytes:
+        rows = rows.cpu().contiguous()
         return rows.dtype, rows.view(torch.uint8).numpy()
-    return rows.share_memory_()
+    shared = torch.empty(rows.shape, dtype=rows.dtype).share_memory_()
+    shared.copy_(rows)
+    return shared
 
 
 def unpack_rows(payload: tuple[torch.dtype, np.ndarray] | torch.Tensor) -> torch.Tensor:
