@@ -1,5 +1,6 @@
 """What the batch tests share: the OpenAI Batch output schema (pydantic models written from OpenAI's
-public API reference: the batch request output object and the chat completion object), reading an
+public API reference: the batch request output object; the chat completion object is
+`openai_schema.ChatCompletion`), reading an
 output file the way OpenAI's cookbook does, a real HTTP server on 127.0.0.1 for remote image URLs,
 and the mixed input file every engine must answer alike."""
 
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from openai_schema import ChatCompletion
 from PIL import Image
 from pydantic import BaseModel, ConfigDict
 
@@ -55,49 +57,6 @@ class BatchRequestOutput(_Strict):
     response: BatchResponse | None
     error: BatchError | None  # more information on the cause of a failure
     kimi_vision: KimiVision
-
-
-# -- the body of a generation (OpenAI API reference: "The chat completion object") ---------------
-
-
-class Function(_Strict):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Strict):
-    id: str
-    type: Literal["function"]
-    function: Function
-
-
-class Message(_Strict):
-    role: Literal["assistant"]
-    content: str | None
-    reasoning: str | None = None  # the reasoning text, in the field vLLM's OpenAI server uses
-    tool_calls: list[ToolCall] | None = None
-
-
-class Choice(_Strict):
-    index: int
-    message: Message
-    logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
-
-
-class Usage(_Strict):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(_Strict):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
 
 
 # -- the body of an embedding line (this project's: the rows are in a safetensors shard) ---------

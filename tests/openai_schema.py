@@ -1,17 +1,17 @@
 """Pydantic models of the OpenAI chat-completions objects, written from the public API reference
-(https://platform.openai.com/docs/api-reference/chat/object and .../chat/streaming), for the tests to
-validate what the HTTP face sends. Strict where the reference is (`extra` fields allowed, as the
-API allows them: vLLM adds `reasoning`)."""
+(https://platform.openai.com/docs/api-reference/chat/object, .../chat/streaming): what the HTTP face
+sends and what a batch row's body holds. Strict: a field the reference does not name is an error,
+but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class FunctionCall(_Model):
@@ -28,13 +28,14 @@ class ToolCall(_Model):
 class Message(_Model):
     role: Literal["assistant"]
     content: str | None
+    reasoning: str | None = None  # vLLM's field for the reasoning text
     tool_calls: list[ToolCall] | None = None
 
 
 class Choice(_Model):
     index: int
     message: Message
-    logprobs: dict | None
+    logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
@@ -56,6 +57,7 @@ class ChatCompletion(_Model):
 class Delta(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict] | None = None
 
 

@@ -161,7 +161,7 @@ def test_chat_completions_streamed_and_not(http, rpc):
     assert parsed[-1].choices == [] and parsed[-1].usage == whole.usage
     assert parsed[-2].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in parsed if c.choices)
-    reasoning = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in parsed if c.choices)
+    reasoning = "".join(c.choices[0].delta.reasoning or "" for c in parsed if c.choices)
     assert (text, reasoning) == (message["content"], message["reasoning"] or "")  # greedy: the same reply
 
     seeded = {**request, "temperature": 0.9, "top_p": 0.9, "seed": 11}
