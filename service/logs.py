@@ -6,20 +6,75 @@ log shipper), the write blocks and with it every request. Here records go into a
 and one daemon thread writes them. When the queue is full the record is dropped and counted, and
 the writer says how many were lost once it can write again: a stuck log costs log lines, never
 service.
+
+Two formats (`--log-format`): text, one line per record, or JSON, one object per line with
+`time`, `level`, `logger`, `message` and, on access lines, `request_id`, `method`, `peer`, `status`,
+`duration_ms`, `request_bytes`, `response_bytes`. Every record logged while a request is handled
+carries that request's id (`REQUEST_ID`, set by each face), so a client's `x-request-id` finds its
+lines, errors included.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
+import json
 import logging
 import queue
 import sys
 import threading
 import time
+import uuid
+from contextvars import ContextVar
 from logging.handlers import QueueHandler
-from typing import TextIO
+from typing import Literal, TextIO
 
 MAX_QUEUED_RECORDS = 10_000
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LogFormat = Literal["text", "json"]
+# What an access line carries besides its message (as `extra=`); JSON writes each one present.
+ACCESS_FIELDS = ("request_id", "method", "peer", "status", "duration_ms", "request_bytes", "response_bytes")
+MAX_REQUEST_ID_CHARS = 128
+
+# The id of the request being handled (a context variable: each RPC and HTTP request runs in a
+# task of its own, which copies the context, so concurrent requests never see each other's).
+REQUEST_ID: ContextVar[str | None] = ContextVar("kimi_vision_request_id", default=None)
+
+
+def request_id(given: str | None) -> str:
+    """The caller's `x-request-id` when it is a plain token (1 to 128 visible ASCII characters, no
+    spaces), else a new random one: an id that lands in every log line must not carry anything else."""
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (newlines in a message or traceback are escaped)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for field in ACCESS_FIELDS:
+            value = getattr(record, field, None)
+            if value is not None:
+                entry[field] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+class _WithRequestId(logging.Filter):
+    """Stamps the current request's id on records logged while it is handled (in the logging thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = REQUEST_ID.get()
+        return True
 
 
 class DroppingQueueHandler(QueueHandler):
@@ -29,6 +84,13 @@ class DroppingQueueHandler(QueueHandler):
         super().__init__(records)
         self._dropped_lock = threading.Lock()
         self._dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """The record with its message merged now (its arguments may change once the caller goes on);
+        the writer thread formats it, exception included (a queue between threads need not pickle)."""
+        record = copy.copy(record)
+        record.msg, record.args = record.getMessage(), None
+        return record
 
     def enqueue(self, record: logging.LogRecord) -> None:
         try:
@@ -49,11 +111,12 @@ class ServerLog:
     can within a timeout (a blocked stream must not hold up the server's exit either)."""
 
     def __init__(self, level: int = logging.INFO, stream: TextIO | None = None,
-                 max_records: int = MAX_QUEUED_RECORDS) -> None:
+                 max_records: int = MAX_QUEUED_RECORDS, log_format: LogFormat = "text") -> None:
         self._sink = logging.StreamHandler(stream or sys.stderr)
-        self._sink.setFormatter(logging.Formatter(FORMAT))
+        self._sink.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
         self._records: queue.Queue = queue.Queue(max_records)
         self.handler = DroppingQueueHandler(self._records)
+        self.handler.addFilter(_WithRequestId())
         root = logging.getLogger()
         root.setLevel(level)
         root.addHandler(self.handler)

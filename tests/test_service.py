@@ -427,11 +427,12 @@ def test_deadline_exceeded_stops_generation(server, client):
     assert _trunk_idle_within(server.engine, 20)
     # The server records the RPC when its handler unwinds, which may be just after the client gave up.
     sample = server.server.metrics.registry.get_sample_value
-    labels = {"method": "Generate", "code": "DEADLINE_EXCEEDED"}
+    labels = {"grpc_type": "server_stream", "grpc_service": "kimi.vision.v1.VisionService", "grpc_method": "Generate",
+              "grpc_code": "DeadlineExceeded"}
     deadline = time.monotonic() + 10
-    while not sample("kimi_vision_requests_total", labels) and time.monotonic() < deadline:
+    while not sample("grpc_server_handled_total", labels) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sample("kimi_vision_requests_total", labels) >= 1
+    assert sample("grpc_server_handled_total", labels) >= 1
 
 
 def test_overload_cancel_and_drain(narrow, server):
@@ -468,9 +469,11 @@ def test_overload_cancel_and_drain(narrow, server):
 def test_metrics_endpoint(server, client, metrics_port):
     client.preprocess(_png(28, 28))
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    assert 'kimi_vision_requests_total{code="OK",method="Preprocess"}' in text
-    assert "kimi_vision_request_seconds_bucket" in text and "kimi_vision_queue_depth" in text
+    rpc = 'grpc_method="Preprocess",grpc_service="kimi.vision.v1.VisionService",grpc_type="unary"'
+    assert f'grpc_server_handled_total{{grpc_code="OK",{rpc}}}' in text
+    assert f"grpc_server_handling_seconds_bucket{{{rpc}," in text and "kimi_vision_queue_depth" in text
     assert 'kimi_vision_tokens_total{kind="image"}' in text
+    assert "kimi_vision_encoder_workers_ready 1.0" in text
 
 
 def test_concurrent_requests_share_the_pool(client):
