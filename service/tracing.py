@@ -3,8 +3,8 @@
 (image headers, limits and content hashes; Preprocess's pixels), `encode` (an encoder worker:
 decode, resize, tower, projector) and `generate` (the trunk: prefill and decoding).
 
-Off by default, and then free of OpenTelemetry: nothing of it is imported (it need not even be
-installed: the `otel` extra), and `span()` hands back one shared no-op context manager.
+Off by default, and then this module imports nothing of OpenTelemetry (it need not be installed:
+the SDK and exporter are the `otel` extra) and `span()` hands back one shared no-op context manager.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class TracingUnavailable(RuntimeError):
 def configure(endpoint: str, service_name: str = SERVICE_NAME) -> None:
     """Export spans to the OTLP/gRPC collector at `endpoint` (`http://host:4317`: plaintext)."""
     global _tracer, _provider
-    try:  # imported here, not at the top: with tracing off, OpenTelemetry costs nothing, not even its import
+    try:  # imported here, not at the top: an optional extra, loaded only when tracing is on
         from opentelemetry import propagate, trace
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource

@@ -119,22 +119,12 @@ def run(args: argparse.Namespace) -> int:
     from service.rpc.server import ServerConfig, serve
     from vision import Limits
 
-    http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
-                      allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
-                      log_health_checks=args.log_health_checks)
-    config = ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port,
-        log_health_checks=args.log_health_checks, max_receive_bytes=args.max_message_mb << 20,
-        max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
-        credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
-        tls_files=(args.tls_cert, args.tls_key) if credentials else None,
-    )
-    engine_config = EngineConfig(
-        checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
-        limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
-        cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
-        served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
-    )
+    if args.otlp_endpoint:
+        try:
+            tracing.configure(args.otlp_endpoint)
+        except tracing.TracingUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     def announce(server) -> None:
         ports = (("http", server.http.port if server.http is not None else None), ("health", server.health_port),
@@ -142,15 +132,26 @@ def run(args: argparse.Namespace) -> int:
         more = "".join(f"; {name} on {args.host}:{port}" for name, port in ports if port is not None)
         print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}", flush=True)
 
-    if args.otlp_endpoint:
-        try:
-            tracing.configure(args.otlp_endpoint)
-        except tracing.TracingUnavailable as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    # Written off the event loop: a stuck log reader never stalls requests.
+    # Before anything else is said (building the default checkpoint included), so all of it is in
+    # the log's format; written off the event loop: a stuck log reader never stalls requests.
     server_log = ServerLog(log_format=args.log_format)
     try:
+        http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
+                          allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
+                          log_health_checks=args.log_health_checks)
+        config = ServerConfig(
+            host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port,
+            log_health_checks=args.log_health_checks, max_receive_bytes=args.max_message_mb << 20,
+            max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
+            credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
+            tls_files=(args.tls_cert, args.tls_key) if credentials else None,
+        )
+        engine_config = EngineConfig(
+            checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
+            limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
+            cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
+            served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
+        )
         return asyncio.run(serve(config, engine_config, on_ready=announce))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
