@@ -59,20 +59,23 @@ class ServeProcess:
         threading.Thread(target=read_stdout, daemon=True).start()
 
     @classmethod
-    def launch(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None) -> ServeProcess:
-        """Start `kimi-vision serve --port 0 <args>` without waiting for it (see `wait_ready`)."""
+    def launch(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+               command: list[str] | None = None, cwd: Path = REPO_ROOT) -> ServeProcess:
+        """Start `kimi-vision serve --port 0 <args>` without waiting for it (see `wait_ready`);
+        `command`: the whole command line instead."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log = open(log_path, "wb")  # the child writes to it for its whole life
-        proc = subprocess.Popen([*serve_command(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=full_env,
+        proc = subprocess.Popen(command or [*serve_command(), "serve", "--port", "0", *args], cwd=cwd, env=full_env,
                                 stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
         log.close()
         return cls(proc, log_path)
 
     @classmethod
     def start(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-              ready_timeout_s: float = 240.0) -> ServeProcess:
+              ready_timeout_s: float = 240.0, command: list[str] | None = None,
+              cwd: Path = REPO_ROOT) -> ServeProcess:
         """Start `kimi-vision serve --port 0 <args>` and wait until it says it is serving."""
-        return cls.launch(args, log_path=log_path, env=env).wait_ready(ready_timeout_s)
+        return cls.launch(args, log_path=log_path, env=env, command=command, cwd=cwd).wait_ready(ready_timeout_s)
 
     def wait_ready(self, timeout_s: float = 240.0) -> ServeProcess:
         """Wait until the server says it is serving (its ports are then known)."""
