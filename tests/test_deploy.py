@@ -152,6 +152,25 @@ def test_autoscaler_scales_the_deployment_on_a_metric_the_server_exports() -> No
     assert metric["pods"]["metric"]["name"] in exported
 
 
+def test_alert_rules_name_only_metrics_the_server_exports() -> None:
+    rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    expressions = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    metrics = Metrics()
+    metrics.read_workers(lambda: {"workers": [{"index": 0, "device": "cpu", "ready": True, "restarts": 0}]})
+    families = {family.name: family.type for family in metrics.registry.collect()}
+    suffixes = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
+    selectors = re.compile(r"\{[^}]*\}")  # label matchers: grpc_service="..." is a label, not a metric
+    named = {name for expr in expressions
+             for name in re.findall(r"\b((?:kimi_vision|grpc|http|process)_\w+)", selectors.sub("", expr))}
+    assert {"grpc_server_handled_total", "kimi_vision_encoder_workers_ready"} <= named
+    for name in named:
+        suffix = next((s for s in suffixes if name.endswith(s)), "")
+        family = name.removesuffix(suffix) if suffix else name
+        assert family in families, f"alerts.yaml names {name}, which the server does not export"
+        if suffix:
+            assert families[family] == suffixes[suffix], (name, families[family])
+
+
 # ---------------------------------------------------------------------------------------------
 # Dockerfile
 
