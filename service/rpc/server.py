@@ -126,7 +126,7 @@ class VisionServer:
             yield
 
     @contextlib.asynccontextmanager
-    async def call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """`admit` and the error mapping around one RPC's body (its metrics and log line: `RpcObserver`)."""
         try:
             remaining = context.time_remaining()
