@@ -6,20 +6,83 @@ log shipper), the write blocks and with it every request. Here records go into a
 and one daemon thread writes them. When the queue is full the record is dropped and counted, and
 the writer says how many were lost once it can write again: a stuck log costs log lines, never
 service.
+
+Two formats (`--log-format`): text, one line per record, or JSON, one object per line with
+`time`, `level`, `logger`, `message` and, on access lines, `request_id`, `method`, `peer`, `status`,
+`duration_ms`, `request_bytes`, `response_bytes`. Every record logged while a request is handled
+carries that request's id (`REQUEST_ID`, set by each face), so a client's `x-request-id` finds its
+lines, errors included. In JSON, whatever else reaches the process's stderr (gRPC's C core, the
+encoder workers, a `print`) is captured line by line as records of the logger `stderr`, so every
+line of the log is one JSON object.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
+import json
 import logging
+import os
 import queue
+import re
 import sys
 import threading
 import time
+import uuid
+from contextvars import ContextVar
 from logging.handlers import QueueHandler
-from typing import TextIO
+from typing import Literal, TextIO
 
 MAX_QUEUED_RECORDS = 10_000
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LogFormat = Literal["text", "json"]
+# What an access line carries besides its message (as `extra=`); JSON writes each one present.
+ACCESS_FIELDS = ("request_id", "method", "peer", "status", "duration_ms", "request_bytes", "response_bytes")
+MAX_REQUEST_ID_CHARS = 128
+# A line of gRPC's C core (absl): "I1201 13:49:57.447992   32088 file.cc:2563] ..."; its first letter is the level.
+ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:")
+ABSL_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+_END_OF_CAPTURE = b"\0kimi-vision: end of stderr capture\n"
+
+# The id of the request being handled (a context variable: each RPC and HTTP request runs in a
+# task of its own, which copies the context, so concurrent requests never see each other's).
+REQUEST_ID: ContextVar[str | None] = ContextVar("kimi_vision_request_id", default=None)
+
+
+def request_id(given: str | None) -> str:
+    """The caller's `x-request-id` when it is a plain token (1 to 128 visible ASCII characters, no
+    spaces), else a new random one: an id that lands in every log line must not carry anything else."""
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (newlines in a message or traceback are escaped)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for field in ACCESS_FIELDS:
+            value = getattr(record, field, None)
+            if value is not None:
+                entry[field] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+class _WithRequestId(logging.Filter):
+    """Stamps the current request's id on records logged while it is handled (in the logging thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = REQUEST_ID.get()
+        return True
 
 
 class DroppingQueueHandler(QueueHandler):
@@ -29,6 +92,13 @@ class DroppingQueueHandler(QueueHandler):
         super().__init__(records)
         self._dropped_lock = threading.Lock()
         self._dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """The record with its message merged now (its arguments may change once the caller goes on);
+        the writer thread formats it, exception included (a queue between threads need not pickle)."""
+        record = copy.copy(record)
+        record.msg, record.args = record.getMessage(), None
+        return record
 
     def enqueue(self, record: logging.LogRecord) -> None:
         try:
@@ -44,19 +114,60 @@ class DroppingQueueHandler(QueueHandler):
         return dropped
 
 
+class _CapturedStderr:
+    """File descriptor 2 turned into a pipe whose lines become records on `handler` (dropped, not
+    waited for, when its queue is full); `stream` is the real stderr, for the writer."""
+
+    def __init__(self, handler: logging.Handler) -> None:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        self.stream = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+        read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 2)  # C libraries and child processes (which inherit it) write here now
+        os.close(write_fd)
+        self._handler = handler
+        self._read_all = threading.Event()  # set when the end marker written by restore() is read
+        self._thread = threading.Thread(target=self._read, args=(read_fd,), name="kimi-vision-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self, read_fd: int) -> None:
+        with open(read_fd, "rb") as pipe:
+            for raw in pipe:
+                if raw == _END_OF_CAPTURE:
+                    self._read_all.set()
+                    continue
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                absl = ABSL_LINE.match(line)
+                level = ABSL_LEVELS[absl.group(1)] if absl else logging.WARNING
+                self._handler.handle(logging.LogRecord("stderr", level, "", 0, line, None, None))
+
+    def restore(self, timeout_s: float) -> None:
+        """fd 2 back to the real stderr, once what this process wrote before is read (up to
+        `timeout_s`). The pipe itself may stay open: children that inherited it (multiprocessing's
+        resource tracker) hold it until they exit."""
+        sys.stderr.flush()
+        os.write(2, _END_OF_CAPTURE)
+        self._read_all.wait(timeout_s)
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+
 class ServerLog:
     """Route the root logger through a bounded queue to a writer thread; `close()` flushes what it
     can within a timeout (a blocked stream must not hold up the server's exit either)."""
 
     def __init__(self, level: int = logging.INFO, stream: TextIO | None = None,
-                 max_records: int = MAX_QUEUED_RECORDS) -> None:
-        self._sink = logging.StreamHandler(stream or sys.stderr)
-        self._sink.setFormatter(logging.Formatter(FORMAT))
+                 max_records: int = MAX_QUEUED_RECORDS, log_format: LogFormat = "text") -> None:
         self._records: queue.Queue = queue.Queue(max_records)
         self.handler = DroppingQueueHandler(self._records)
+        self.handler.addFilter(_WithRequestId())
+        self._stderr = _CapturedStderr(self.handler) if log_format == "json" and stream is None else None
+        self._sink = logging.StreamHandler(stream or (self._stderr.stream if self._stderr else sys.stderr))
+        self._sink.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
         root = logging.getLogger()
         root.setLevel(level)
         root.addHandler(self.handler)
+        logging.captureWarnings(True)  # Python's warnings as records too, so a JSON log stays JSON
         self._thread = threading.Thread(target=self._write, name="kimi-vision-log", daemon=True)
         self._thread.start()
 
@@ -74,7 +185,10 @@ class ServerLog:
 
     def close(self, timeout_s: float = 2.0) -> None:
         logging.getLogger().removeHandler(self.handler)
+        logging.captureWarnings(False)
         deadline = time.monotonic() + timeout_s
+        if self._stderr is not None:
+            self._stderr.restore(timeout_s / 2)
         try:
             self._records.put(None, timeout=timeout_s)  # waits while the writer frees room
         except queue.Full:

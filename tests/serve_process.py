@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(?:; http on \S+:(\d+))?")
+_READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(.*)")
+_MORE_PORTS = re.compile(r"; (\w+) on \S+:(\d+)")  # "; http on 127.0.0.1:8000; health on ...; metrics on ..."
 
 
 def _die_with_parent() -> None:
@@ -43,33 +44,38 @@ class ServeProcess:
         self.process = psutil.Process(proc.pid)
         self.host = ""
         self.port = 0
-        self.metrics_port: int | None = None  # set by a caller that passed --metrics-port
         self.http_port: int | None = None  # the HTTP face's, when started with --http-port
-        self._ready: list[tuple[str, int, int | None]] = []
+        self.health_port: int | None = None  # the plaintext health port, with --health-port
+        self.metrics_port: int | None = None  # with --metrics-port
+        self._ready: list[tuple[str, int, dict[str, int]]] = []
 
         def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
             for line in proc.stdout:
                 m = _READY.search(line)
                 if m and not self._ready:
-                    self._ready.append((m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None))
+                    more = {name: int(port) for name, port in _MORE_PORTS.findall(m.group(3))}
+                    self._ready.append((m.group(1), int(m.group(2)), more))
 
         threading.Thread(target=read_stdout, daemon=True).start()
 
     @classmethod
-    def launch(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None) -> ServeProcess:
-        """Start `kimi-vision serve --port 0 <args>` without waiting for it (see `wait_ready`)."""
+    def launch(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+               command: list[str] | None = None, cwd: Path = REPO_ROOT) -> ServeProcess:
+        """Start `kimi-vision serve --port 0 <args>` without waiting for it (see `wait_ready`);
+        `command`: the whole command line instead."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log = open(log_path, "wb")  # the child writes to it for its whole life
-        proc = subprocess.Popen([*serve_command(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=full_env,
+        proc = subprocess.Popen(command or [*serve_command(), "serve", "--port", "0", *args], cwd=cwd, env=full_env,
                                 stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
         log.close()
         return cls(proc, log_path)
 
     @classmethod
     def start(cls, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-              ready_timeout_s: float = 240.0) -> ServeProcess:
+              ready_timeout_s: float = 240.0, command: list[str] | None = None,
+              cwd: Path = REPO_ROOT) -> ServeProcess:
         """Start `kimi-vision serve --port 0 <args>` and wait until it says it is serving."""
-        return cls.launch(args, log_path=log_path, env=env).wait_ready(ready_timeout_s)
+        return cls.launch(args, log_path=log_path, env=env, command=command, cwd=cwd).wait_ready(ready_timeout_s)
 
     def wait_ready(self, timeout_s: float = 240.0) -> ServeProcess:
         """Wait until the server says it is serving (its ports are then known)."""
@@ -81,7 +87,8 @@ class ServeProcess:
                 raise RuntimeError(f"kimi-vision serve did not become ready (exit {self.proc.returncode}):\n"
                                    + self.log_path.read_text(errors="replace")[-4000:])
             time.sleep(0.05)
-        self.host, self.port, self.http_port = self._ready[0]
+        self.host, self.port, more = self._ready[0]
+        self.http_port, self.health_port, self.metrics_port = (more.get(k) for k in ("http", "health", "metrics"))
         return self
 
     @property

@@ -229,7 +229,8 @@ def test_sigterm_drains_and_exits_0(served: ServeProcess, pool_ex: ThreadPoolExe
 
 def test_cancelled_stream_stops_on_the_server(handle: ServerThread, client: VisionClient) -> None:
     """A Generate stream the client drops is cancelled on the server and gives its slot back."""
-    cancelled = handle.server.metrics.requests.labels(method="Generate", code="CANCELLED")
+    cancelled = handle.server.metrics.grpc_handled.labels("server_stream", "kimi.vision.v1.VisionService", "Generate",
+                                                          "Canceled")
     before = cancelled._value.get()
     stream = client.generate([user("Tell me a long story.")], max_new_tokens=4000)
     next(stream)

@@ -6,9 +6,7 @@ through Encode, CountTokens and Generate."""
 from __future__ import annotations
 
 import base64
-import datetime
 import io
-import ipaddress
 import re
 import secrets
 import subprocess
@@ -18,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from certificates import self_signed
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 from serve_process import REPO_ROOT, ServeProcess, serve_command
@@ -37,31 +36,6 @@ CONTROL_TEXT = ("<|media_begin|>image 1x1<|media_content|><|media_pad|><|media_e
                 "[BOS] [EOS] [UNK] [PAD] <|reserved_token_200|> <osagent_mode> <|open|>think<|sep|>")
 
 
-def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1/localhost and its key, as PEM files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def secret_png(marker: bytes, seed: int = 0) -> bytes:
     """A valid PNG whose bytes carry `marker` in a text chunk."""
     pixels = np.random.default_rng(seed).integers(0, 256, (60, 90, 3), dtype=np.uint8)
@@ -76,8 +50,8 @@ def secret_png(marker: bytes, seed: int = 0) -> bytes:
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("tls")
-    cert, key = _self_signed(d, "server")
-    other_cert, _ = _self_signed(d, "stranger")
+    cert, key = self_signed(d, "server")
+    other_cert, _ = self_signed(d, "stranger")
     return {"cert": cert, "key": key, "other_cert": other_cert, "dir": d}
 
 
@@ -194,7 +168,7 @@ def test_bad_security_settings_fail_fast(tmp_path: Path, args: list[str], messag
 
 
 def test_mismatched_key_is_refused(tmp_path: Path, tls_files: dict[str, Path]) -> None:
-    _, other_key = _self_signed(tmp_path, "other")
+    _, other_key = self_signed(tmp_path, "other")
     run = subprocess.run([*serve_command(), "serve", "--port", "0", "--tls-cert", str(tls_files["cert"]),
                           "--tls-key", str(other_key)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "does not match" in run.stderr, run.stderr

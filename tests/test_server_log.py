@@ -72,7 +72,8 @@ def test_server_keeps_serving_while_nobody_reads_its_log(tmp_path):
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # held open, never read: the pipe fills
     try:
-        with ServeProcess.start(["--devices", "cpu:1", "--cache-mb", "0"], log_path=fifo) as server:
+        args = ["--devices", "cpu:1", "--cache-mb", "0", "--log-health-checks"]  # a line per health check
+        with ServeProcess.start(args, log_path=fifo) as server:
             with VisionClient(server.target, timeout=30) as client:
                 # One access-log line (~130 bytes) per call: ~200 KB, three times the pipe's size.
                 for _ in range(1500):

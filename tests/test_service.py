@@ -427,11 +427,12 @@ def test_deadline_exceeded_stops_generation(server, client):
     assert _trunk_idle_within(server.engine, 20)
     # The server records the RPC when its handler unwinds, which may be just after the client gave up.
     sample = server.server.metrics.registry.get_sample_value
-    labels = {"method": "Generate", "code": "DEADLINE_EXCEEDED"}
+    labels = {"grpc_type": "server_stream", "grpc_service": "kimi.vision.v1.VisionService", "grpc_method": "Generate",
+              "grpc_code": "DeadlineExceeded"}
     deadline = time.monotonic() + 10
-    while not sample("kimi_vision_requests_total", labels) and time.monotonic() < deadline:
+    while not sample("grpc_server_handled_total", labels) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sample("kimi_vision_requests_total", labels) >= 1
+    assert sample("grpc_server_handled_total", labels) >= 1
 
 
 def test_overload_cancel_and_drain(narrow, server):
@@ -468,9 +469,11 @@ def test_overload_cancel_and_drain(narrow, server):
 def test_metrics_endpoint(server, client, metrics_port):
     client.preprocess(_png(28, 28))
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    assert 'kimi_vision_requests_total{code="OK",method="Preprocess"}' in text
-    assert "kimi_vision_request_seconds_bucket" in text and "kimi_vision_queue_depth" in text
+    rpc = 'grpc_method="Preprocess",grpc_service="kimi.vision.v1.VisionService",grpc_type="unary"'
+    assert f'grpc_server_handled_total{{grpc_code="OK",{rpc}}}' in text
+    assert f"grpc_server_handling_seconds_bucket{{{rpc}," in text and "kimi_vision_queue_depth" in text
     assert 'kimi_vision_tokens_total{kind="image"}' in text
+    assert "kimi_vision_encoder_workers_ready 1.0" in text
 
 
 def test_concurrent_requests_share_the_pool(client):
@@ -523,7 +526,9 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
 
 
 def test_demo_command(checkpoint, tmp_path):
-    """`kimi-vision demo` (the README's main job) on the embedded default, end to end."""
+    """The README's main job (`./run.sh demo`: set-up, then `kimi-vision demo`) on the embedded
+    default, end to end. It runs on the venv running these tests, which is set up already (CI made
+    it with `./run.sh test`), so the command must install nothing: its set-up is idempotent."""
     import os
     import subprocess
     import sys
@@ -535,14 +540,15 @@ def test_demo_command(checkpoint, tmp_path):
 
     readme = (REPO_ROOT / "README.md").read_text()
     command = re.search(r"Main job.*?```bash\n(.*?)\n```", readme, re.S).group(1).strip()
-    assert command == "kimi-vision demo"
+    assert command == "./run.sh demo"
     bin_dir = Path(sys.executable).parent
     assert (bin_dir / "kimi-vision").exists(), "the kimi-vision console script is not installed (pip install -e .)"
     (tmp_path / generator_key()).symlink_to(checkpoint)  # the default is this same tiny checkpoint
-    env = {**os.environ, "KIMI_VISION_CACHE": str(tmp_path), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "KIMI_VISION_CACHE": str(tmp_path), "KIMI_VISION_VENV": sys.prefix}
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
+    assert "installing" not in out.stderr, out.stderr  # set up already: nothing to install
     assert "tiny RANDOM checkpoint" in out.stdout and "health: SERVING" in out.stdout
     assert re.search(r"photo.jpg +640x480 +414 ", out.stdout)
     assert "Encode (" in out.stdout and "[finish: max_new_tokens" in out.stdout

@@ -16,7 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loaded (a vision frontend: everything but generation)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free port)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics on this port, at /metrics (0 = any free port)")
+    parser.add_argument("--health-port", type=int, metavar="PORT",
+                        help="also serve the gRPC health service alone on this port, plaintext and without the "
+                             "token, for Kubernetes' gRPC probes when the main port has TLS or a token "
+                             "(0 = any free port)")
     parser.add_argument("--max-concurrency", type=int, default=4, metavar="N", help="requests working at once")
     parser.add_argument("--max-queue", type=int, default=32, metavar="N",
                         help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
@@ -48,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KIMI_VISION_AUTH_TOKEN; prefer the variable, flags show in the process list)")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="PEM", help="the TLS private key (needs --tls-cert)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text (default): one line per record; json: one JSON object per line")
+    parser.add_argument("--log-health-checks", action="store_true",
+                        help="write an access-log line for every health check too (default: not logged)")
+    parser.add_argument("--otlp-endpoint", metavar="URL",
+                        help="export OpenTelemetry traces over OTLP/gRPC to this collector (http://host:4317); "
+                             "needs the otel extra (default: tracing off)")
 
 
 def _problem(args: argparse.Namespace) -> str | None:
@@ -57,8 +69,10 @@ def _problem(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     if args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535:
         return "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
-    if args.http_port is not None and not 0 <= args.http_port <= 65535:
-        return "--http-port must be in 0..65535"
+    for name in ("http_port", "health_port", "metrics_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= 65535:
+            return f"--{name.replace('_', '-')} must be in 0..65535, got {value}"
     if args.ec_role == "producer" and not args.ec_export_dir:
         return "--ec-role producer needs --ec-export-dir (where the encoder-cache files go)"
     if args.ec_role == "producer" and args.http_port is None:
@@ -70,7 +84,6 @@ def _security(args: argparse.Namespace) -> tuple[tuple, object | None, str | Non
     """(interceptors, TLS server credentials or None, the token or None) from the flags; ValueError
     names a problem."""
     from service.auth import resolve_token
-    from service.rpc.access_log import RequestLogInterceptor
     from service.rpc.auth import BearerTokenInterceptor
     from service.rpc.proto_guard import MalformedRequestInterceptor
     from service.rpc.tls import server_credentials, tls_paths
@@ -78,10 +91,11 @@ def _security(args: argparse.Namespace) -> tuple[tuple, object | None, str | Non
     token = resolve_token(args.auth_token)
     paths = tls_paths(args.tls_cert, args.tls_key)
     credentials = server_credentials(*paths) if paths else None
-    # In order: the access log (so refused calls are logged too), the token check (before any
-    # request byte is parsed), then the parse itself (corrupt protobuf -> INVALID_ARGUMENT).
+    # In order (after the server's own observer, which logs and counts refused calls too): the
+    # token check (before any request byte is parsed), then the parse itself (corrupt protobuf ->
+    # INVALID_ARGUMENT).
     auth = (BearerTokenInterceptor(token),) if token else ()
-    interceptors = (RequestLogInterceptor(), *auth, MalformedRequestInterceptor())
+    interceptors = (*auth, MalformedRequestInterceptor())
     return interceptors, credentials, token
 
 
@@ -98,36 +112,50 @@ def run(args: argparse.Namespace) -> int:
 
     import asyncio
 
+    from service import tracing
     from service.engine import EngineConfig
     from service.http.app import HttpConfig
     from service.logs import ServerLog
     from service.rpc.server import ServerConfig, serve
     from vision import Limits
 
-    http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
-                      allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer")
-    config = ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, max_receive_bytes=args.max_message_mb << 20,
-        max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
-        credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
-        tls_files=(args.tls_cert, args.tls_key) if credentials else None,
-    )
-    engine_config = EngineConfig(
-        checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
-        limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
-        cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
-        served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
-    )
+    if args.otlp_endpoint:
+        try:
+            tracing.configure(args.otlp_endpoint)
+        except tracing.TracingUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     def announce(server) -> None:
-        http_line = f"; http on {args.host}:{server.http.port}" if server.http is not None else ""
-        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){http_line}", flush=True)
+        ports = (("http", server.http.port if server.http is not None else None), ("health", server.health_port),
+                 ("metrics", server.metrics_port))
+        more = "".join(f"; {name} on {args.host}:{port}" for name, port in ports if port is not None)
+        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}", flush=True)
 
-    server_log = ServerLog()  # written off the event loop: a stuck log reader never stalls requests
+    # Before anything else is said (building the default checkpoint included), so all of it is in
+    # the log's format; written off the event loop: a stuck log reader never stalls requests.
+    server_log = ServerLog(log_format=args.log_format)
     try:
+        http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
+                          allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
+                          log_health_checks=args.log_health_checks)
+        config = ServerConfig(
+            host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port,
+            log_health_checks=args.log_health_checks, max_receive_bytes=args.max_message_mb << 20,
+            max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
+            credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
+            tls_files=(args.tls_cert, args.tls_key) if credentials else None,
+        )
+        engine_config = EngineConfig(
+            checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
+            limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
+            cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
+            served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
+        )
         return asyncio.run(serve(config, engine_config, on_ready=announce))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        tracing.shutdown()  # the spans still queued go out first
         server_log.close()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from service import tracing
 from service.engine.allocator import keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
@@ -197,11 +198,13 @@ def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _named(image: ImageInput) -> Iterator[None]:
-    """Prefix an image error with where the image sits in the request (same error class)."""
+def _named(image: ImageInput, metrics: Metrics) -> Iterator[None]:
+    """Count a refused image by its kind, and prefix its error with where the image sits in the
+    request (same error class)."""
     try:
         yield
     except ImageError as exc:
+        metrics.images_refused.labels(reason=exc.kind).inc()
         if not image.where:
             raise
         raise type(exc)(f"{image.where}: {exc}") from None
@@ -333,7 +336,8 @@ class Engine:
 
     async def preprocess(self, image: ImageInput) -> Preprocessed:
         """The exact model input (the padded uint8 image; its float patches on first use)."""
-        pre = await self.run_cpu(self._preprocess, image)
+        with tracing.span("preprocess"):
+            pre = await self.run_cpu(self._preprocess, image)
         self.metrics.tokens.labels(kind="image").inc(pre.num_tokens)
         return pre
 
@@ -347,7 +351,8 @@ class Engine:
         worker has already started runs to the end."""
         if not images:
             return []
-        prepared = await self.run_cpu(self._prepare, images)
+        with tracing.span("preprocess", images=len(images)):
+            prepared = await self.run_cpu(self._prepare, images)
         found: dict[str, ImageEmbedding] = {}
         missing: dict[str, tuple[ImageInput, ImagePlan]] = {}
         for image, (plan, key) in zip(images, prepared, strict=True):
@@ -363,10 +368,13 @@ class Engine:
             queued: list[concurrent.futures.Future] = []
             abandoned = threading.Event()
             try:
-                futures = await asyncio.gather(*(self.run_cpu(self._submit, image, plan, queued, abandoned)
-                                                 for image, plan in missing.values()))
-                rows = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-            except BaseException:  # the caller will not use the other images: stop their work
+                with tracing.span("encode", images=len(missing)):
+                    futures = await asyncio.gather(*(self.run_cpu(self._submit, image, plan, queued, abandoned)
+                                                     for image, plan in missing.values()))
+                    rows = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+            except BaseException as exc:  # the caller will not use the other images: stop their work
+                if isinstance(exc, ImageError):  # a worker refused it (pixels the header did not show)
+                    self.metrics.images_refused.labels(reason=exc.kind).inc()
                 abandoned.set()
                 for future in queued:
                     future.cancel()
@@ -450,9 +458,13 @@ class Engine:
         job = loop.run_in_executor(self.trunk_executor, self._generate, chat, embeddings, params, emit, cancelled)
         job.add_done_callback(finished)
         try:
-            while (event := await events.get()) is not done:
-                yield event
-            result = await job
+            with tracing.span("generate", max_new_tokens=params.max_new_tokens) as span:
+                while (event := await events.get()) is not done:
+                    yield event
+                result = await job
+                if span is not None:
+                    span.set_attributes({"prompt_tokens": result.prompt_tokens,
+                                         "completion_tokens": result.completion_tokens})
         finally:
             cancelled.set()  # the trunk thread stops at its next token if we are leaving early
         self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
@@ -462,11 +474,11 @@ class Engine:
     # -- blocking parts (executor threads) ----------------------------------------------------------
 
     def _plan(self, image: ImageInput) -> ImagePlan:
-        with _named(image):
+        with _named(image, self.metrics):
             return plan_image(image.data, image.options, self.config.limits)
 
     def _preprocess(self, image: ImageInput) -> Preprocessed:
-        with _named(image):
+        with _named(image, self.metrics):
             return preprocess_image(image.data, image.options, self.config.limits)
 
     def _plans(self, images: Sequence[ImageInput]) -> list[ImagePlan]:

