@@ -144,7 +144,7 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
             if not engine.serves(chat_request.model):
                 raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
                                f"{list(engine.served_model_names)}")
-            reply = await _answer(engine, chat_request, config, request.headers.get("x-request-id"))
+            reply = await _answer(engine, chat_request, config)
             if isinstance(reply, dict):
                 await stack.aclose()
                 return JSONResponse(reply)
@@ -183,8 +183,7 @@ async def _json_body(request: Request, limit: int) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig,
-                  request_id: str | None) -> dict[str, Any] | AsyncIterator[str]:
+async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
     fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=config.allow_remote_images)
     images = [await fetcher.fetch(part) for part in request.images]
