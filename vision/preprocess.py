@@ -9,8 +9,8 @@ The reference steps, and how this module does each one:
   4. black bottom/right padding -> one copy from Pillow's own pixel memory (no `tobytes`), a band
                                    of rows at a time, into a canvas whose padding is zeroed
   5. normalisation `(x/255.0).astype(float32) - 0.5) * 2.0` -> a 256-entry table built by those ops
-  6. row-major 14x14 patches    -> uint8 re-layout, then one table lookup into the float32 output,
-                                   a band of patch rows at a time (built lazily, on first use)
+  6. row-major 14x14 patches    -> one table lookup over a band of patch rows, then one strided
+                                   copy into patch order (built lazily, on first use)
 Steps 3 and 5 are exact because their inputs are uint8: a table over every possible input holds
 exactly what the float expression gives. `resize="fast"` swaps step 2 for OpenCV (not exact).
 
@@ -139,8 +139,9 @@ class Preprocessed(ImagePlan):
         return self._pixel_values
 
 
-# Patch rows are built a band at a time so the uint8 re-layout stays in the CPU cache between
-# its two uses; about 256 KiB of input pixels per band (one patch row of a 4000-px-wide image).
+# Patch rows are built a band at a time so the normalised band stays in the CPU cache between the
+# table lookup and the re-layout; about 256 KiB of input pixels per band (one patch row of a
+# 4000-px-wide image).
 _BAND_BYTES = 256 * 1024
 
 
@@ -153,14 +154,17 @@ def patchify_normalise(image: np.ndarray, out: np.ndarray | None = None) -> np.n
     rows, cols, p = h // PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE
     out = _output_view(out, np.float32, (rows, cols, c, p, p))
     band = max(1, _BAND_BYTES // (p * w * c))
+    scratch = np.empty((band * p, w * c), dtype=np.float32)  # one band of normalised pixels, in the cache
     for top in range(0, rows, band):
         bottom = min(rows, top + band)
-        # Re-layout the uint8 pixels (a quarter of the bytes of the float output) into patch order,
-        # then one table lookup writes the float32 output once (cv2.LUT: a plain gather).
-        pixels = image[top * p : bottom * p].reshape(bottom - top, p, cols, p, c)
-        patches = np.ascontiguousarray(pixels.transpose(0, 2, 4, 1, 3))
-        target = out[top:bottom].reshape(-1, p)
-        _written_into(target, cv2.LUT(patches.reshape(-1, p), NORMALISE_TABLE, dst=target))
+        # One table lookup over the band's contiguous pixels (cv2.LUT: a plain gather, at memory
+        # speed on contiguous data), then one strided copy puts the floats in patch order. Measured
+        # on one core for a 4004x3024 image, 21 interleaved runs twice: 39-42 ms (min), against
+        # 48-49 ms for re-laying the uint8 pixels out first and looking the table up on the copy.
+        normalised = scratch[: (bottom - top) * p]
+        _written_into(normalised, cv2.LUT(image[top * p : bottom * p].reshape(-1, w * c), NORMALISE_TABLE,
+                                          dst=normalised))
+        out[top:bottom] = normalised.reshape(bottom - top, p, cols, p, c).transpose(0, 2, 4, 1, 3)
     return out.reshape(rows * cols, c, p, p)
 
 
