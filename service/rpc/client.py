@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -111,15 +112,20 @@ class Encoded:
         return list(self.header.input_ids)
 
 
-def _collect(header, chunks: list[bytes]) -> np.ndarray:
-    data = b"".join(chunks)
+def _collect(chunks: list[pb.EmbedChunk] | list[pb.EncodeChunk]) -> tuple[Any, np.ndarray]:
+    """An Embed or Encode stream, received whole -> (its header, its rows). The header comes first;
+    every other chunk carries bytes of the rows."""
+    if not chunks or not chunks[0].HasField("header"):
+        raise RuntimeError("the stream did not begin with its header")
+    header = chunks[0].header
+    data = b"".join(chunk.data for chunk in chunks[1:])
     if len(data) != header.nbytes:
         raise RuntimeError(f"stream ended after {len(data)} of {header.nbytes} embedding bytes")
     if isinstance(header, pb.EmbedHeader):
         shape = header.shape
     else:
         shape = (header.num_rows, header.hidden_size)
-    return to_numpy(header.dtype, shape, data)
+    return header, to_numpy(header.dtype, shape, data)
 
 
 def _channel_options(max_send_bytes: int, max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -209,13 +215,8 @@ class VisionClient:
 
     def embed(self, data: bytes | pb.Image, *, dtype: str = "float32",
               timeout: float | None = None) -> tuple[pb.EmbedHeader, np.ndarray]:
-        header, chunks = None, []
-        for chunk in self.stub.Embed(pb.EmbedRequest(image=_as_image(data), dtype=dtype), timeout=self._t(timeout)):
-            if chunk.HasField("header"):
-                header = chunk.header
-            else:
-                chunks.append(chunk.data)
-        return header, _collect(header, chunks)
+        req = pb.EmbedRequest(image=_as_image(data), dtype=dtype)
+        return _collect(list(self.stub.Embed(req, timeout=self._t(timeout))))
 
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
@@ -228,13 +229,7 @@ class VisionClient:
                thinking_effort: str = "", chat_kwargs: dict | None = None, dtype: str = "float32",
                export_vllm_ec: bool = False, timeout: float | None = None) -> Encoded:
         req = _encode_request(messages, tools, thinking_effort, chat_kwargs, dtype, export_vllm_ec)
-        header, chunks = None, []
-        for chunk in self.stub.Encode(req, timeout=self._t(timeout)):
-            if chunk.HasField("header"):
-                header = chunk.header
-            else:
-                chunks.append(chunk.data)
-        return Encoded(header, _collect(header, chunks))
+        return Encoded(*_collect(list(self.stub.Encode(req, timeout=self._t(timeout)))))
 
 
 class AsyncVisionClient:
@@ -283,14 +278,8 @@ class AsyncVisionClient:
 
     async def embed(self, data: bytes | pb.Image, *, dtype: str = "float32",
                     timeout: float | None = None) -> tuple[pb.EmbedHeader, np.ndarray]:
-        header, chunks = None, []
         req = pb.EmbedRequest(image=_as_image(data), dtype=dtype)
-        async for chunk in self.stub.Embed(req, timeout=self._t(timeout)):
-            if chunk.HasField("header"):
-                header = chunk.header
-            else:
-                chunks.append(chunk.data)
-        return header, _collect(header, chunks)
+        return _collect([chunk async for chunk in self.stub.Embed(req, timeout=self._t(timeout))])
 
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
@@ -302,10 +291,4 @@ class AsyncVisionClient:
                      thinking_effort: str = "", chat_kwargs: dict | None = None, dtype: str = "float32",
                      export_vllm_ec: bool = False, timeout: float | None = None) -> Encoded:
         req = _encode_request(messages, tools, thinking_effort, chat_kwargs, dtype, export_vllm_ec)
-        header, chunks = None, []
-        async for chunk in self.stub.Encode(req, timeout=self._t(timeout)):
-            if chunk.HasField("header"):
-                header = chunk.header
-            else:
-                chunks.append(chunk.data)
-        return Encoded(header, _collect(header, chunks))
+        return Encoded(*_collect([chunk async for chunk in self.stub.Encode(req, timeout=self._t(timeout))]))
