@@ -34,7 +34,7 @@ from service import tracing
 from service.auth import BearerToken, presented_token, refusal
 from service.engine import Engine, GenerationResult
 from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
-from service.logs import REQUEST_ID, request_id
+from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
 from service.openai.images import ImageFetcher
 from service.openai.request import ChatRequest, parse_chat_request
@@ -107,15 +107,10 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
         host.metrics.http_end(request.method, getattr(route, "path", UNMATCHED), response.status_code, seconds)
         if health and not config.log_health_checks:
             return response
-        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
-        size_in = request.headers.get("content-length")
-        size_out = response.headers.get("content-length")
-        log.info("%s %s peer=%s status=%d ms=%.1f in=%s id=%s", request.method, path, peer, response.status_code,
-                 seconds * 1e3, size_in or "?", rid,
-                 extra={"request_id": rid, "method": f"{request.method} {path}", "peer": peer,
-                        "status": str(response.status_code), "duration_ms": round(seconds * 1e3, 3),
-                        "request_bytes": int(size_in) if size_in and size_in.isdigit() else None,
-                        "response_bytes": int(size_out) if size_out and size_out.isdigit() else None})
+        log_access(log, request_id=rid, method=f"{request.method} {path}",
+                   peer=f"{request.client.host}:{request.client.port}" if request.client else "?",
+                   status_name="status", status=str(response.status_code), seconds=seconds,
+                   request_bytes=_length(request.headers), response_bytes=_length(response.headers))
         return response
 
     @app.get("/health")
@@ -168,10 +163,16 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
     return app
 
 
+def _length(headers: Any) -> int | None:
+    """A message's declared content-length (None: not declared, as for a stream)."""
+    declared = headers.get("content-length")
+    return int(declared) if declared and declared.isdigit() else None
+
+
 async def _json_body(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"the request body is {int(declared):,} bytes; the limit is {limit:,}")
+    declared = _length(request.headers)
+    if declared is not None and declared > limit:
+        raise TooLarge(f"the request body is {declared:,} bytes; the limit is {limit:,}")
     raw = bytearray()
     async for piece in request.stream():
         raw += piece

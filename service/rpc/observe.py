@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from service import tracing
-from service.logs import REQUEST_ID, request_id
+from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
 
 log = logging.getLogger("kimi_vision.access")
@@ -106,14 +106,9 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         self._metrics.grpc_end(rpc.grpc_type, rpc.service, rpc.name, code, seconds)
         if not logged:
             return
-        peer = context.peer()
-        size_in = "?" if rpc.request_bytes is None else rpc.request_bytes
-        size_out = "?" if rpc.response_bytes is None else rpc.response_bytes
-        self._log.info("%s peer=%s code=%s ms=%.1f in=%s out=%s id=%s", rpc.method, peer, code.name, seconds * 1e3,
-                       size_in, size_out, rpc.request_id,
-                       extra={"request_id": rpc.request_id, "method": rpc.method, "peer": peer, "status": code.name,
-                              "duration_ms": round(seconds * 1e3, 3), "request_bytes": rpc.request_bytes,
-                              "response_bytes": rpc.response_bytes})
+        log_access(self._log, request_id=rpc.request_id, method=rpc.method, peer=context.peer(), status_name="code",
+                   status=code.name, seconds=seconds, request_bytes=rpc.request_bytes,
+                   response_bytes=rpc.response_bytes)
 
     async def intercept_service(
         self,
