@@ -11,28 +11,25 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-from pathlib import Path
 
 import pytest
+from conformance_data import K3_DIR
 
-from tests.conftest import REPO_ROOT
 from textcore.chat import render, render_ids
 from textcore.parser import StreamParser
 from textcore.tokenizer import NUM_BASE_TOKENS, VOCAB_SIZE, Tokenizer
 
-CONFORMANCE_DIR = Path(os.environ.get("KIMI_K3_CONFORMANCE_DIR") or REPO_ROOT.parent / "shared/conformance/kimi-k3")
 FILES = ("tiktoken.model", "tokenizer_config.json", "kimi_k3_chat_goldens.json", "kimi_k3_chat_template_goldens.json",
          "kimi_k3_tokenizer_goldens.json")
-_missing = [name for name in FILES if not (CONFORMANCE_DIR / name).is_file()]
+_missing = [name for name in FILES if not (K3_DIR / name).is_file()]
 if _missing:
-    pytest.skip(f"Kimi-K3 conformance data not found in {CONFORMANCE_DIR} (missing {', '.join(_missing)}); "
+    pytest.skip(f"Kimi-K3 conformance data not found in {K3_DIR} (missing {', '.join(_missing)}); "
                 "set KIMI_K3_CONFORMANCE_DIR to a directory holding the release tokenizer and the goldens",
                 allow_module_level=True)
 
 
 def _load(name: str) -> dict:
-    return json.loads((CONFORMANCE_DIR / name).read_text(encoding="utf-8"))
+    return json.loads((K3_DIR / name).read_text(encoding="utf-8"))
 
 
 TOKENIZER_GOLDENS = _load("kimi_k3_tokenizer_goldens.json")
@@ -42,7 +39,7 @@ TEMPLATE_CHATS = _load("kimi_k3_chat_template_goldens.json")["chats"]
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_pretrained(CONFORMANCE_DIR)
+    return Tokenizer.from_pretrained(K3_DIR)
 
 
 def test_the_golden_sets_are_complete():
@@ -53,7 +50,7 @@ def test_the_golden_sets_are_complete():
 
 def test_vocabulary_is_the_release_one(tok):
     provenance = TOKENIZER_GOLDENS["provenance"]
-    digest = hashlib.sha256((CONFORMANCE_DIR / "tiktoken.model").read_bytes()).hexdigest()
+    digest = hashlib.sha256((K3_DIR / "tiktoken.model").read_bytes()).hexdigest()
     assert digest == provenance["tiktoken_model_sha256"]
     assert tok.num_base_tokens == provenance["num_base_tokens"] == NUM_BASE_TOKENS
     assert tok.vocab_size == provenance["n_vocab"] == VOCAB_SIZE

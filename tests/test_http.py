@@ -22,6 +22,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 from openai_schema import ChatCompletion, ChatCompletionChunk, ErrorResponse
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -32,7 +33,6 @@ from service.rpc.client import VisionClient, user
 from vision.checkpoint import INDEX_FILE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GOLDENS = REPO_ROOT.parent / "shared" / "conformance" / "vllm"
 SAMPLE = REPO_ROOT / "samples" / "photo.jpg"
 TOKEN = "http-face-test-token-0123456789"
 pytestmark = pytest.mark.timeout(300)
@@ -105,11 +105,12 @@ def _error(reply: httpx.Response, status: int, words: str) -> None:
 # vLLM's disaggregated encoder
 
 
+@needs_vllm_goldens
 def test_the_proxy_request_writes_the_file_vllm_looks_for(http, rpc, export_dir):
-    goldens = json.loads((GOLDENS / "hashes.json").read_text())
+    goldens = vllm_goldens()
     case = next(c for c in goldens["cases"] if c["file"] == "rgb_160x120.jpg" and c["algorithm"] == "blake3"
                 and c["model_id"] == "moonshotai/Kimi-K3")
-    data = (GOLDENS / case["file"]).read_bytes()
+    data = vllm_image(case["file"])
     reply = http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
                       headers={"x-request-id": "proxy-req-1"})
     assert reply.status_code == 200, reply.text
