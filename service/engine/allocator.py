@@ -20,6 +20,8 @@ M_MMAP_THRESHOLD = -3
 # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2); chunks above it are always
 # mmap'd (numpy puts hugepages under those, so their faults are 512x fewer).
 MMAP_THRESHOLD_MAX = 32 << 20
+# What a serving process (the engine's, each encoder worker) keeps by default.
+KEEP_FREED_BYTES = 256 << 20
 
 
 def keep_freed_memory(trim_bytes: int) -> bool:

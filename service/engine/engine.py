@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from service import tracing
-from service.engine.allocator import keep_freed_memory
+from service.engine.allocator import KEEP_FREED_BYTES, keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
 from service.engine.pool import EncodeError, EncoderPool
@@ -168,9 +168,9 @@ class EngineConfig:
     cache_bytes: int = 1 << 30
     ec_export_dir: str | os.PathLike[str] | None = None  # where vLLM encoder-cache files may be written
     cpu_threads: int = max(2, os.cpu_count() or 2)
-    # Free memory each malloc arena keeps for the next image (service.engine.allocator); 0 leaves
-    # the process's allocator as it is.
-    keep_freed_bytes: int = 256 << 20
+    # Free memory each malloc arena keeps for the next image (service.engine.allocator), in this
+    # process and in each encoder worker; 0 leaves their allocators as they are.
+    keep_freed_bytes: int = KEEP_FREED_BYTES
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 8192
 
@@ -263,7 +263,8 @@ class Engine:
         Checkpoint(directory).close()  # a missing or broken checkpoint is named before anything starts
         tokenizer = Tokenizer.from_pretrained(directory)
         pool = EncoderPool(directory, config.devices, limits=config.limits,
-                           threads_per_worker=config.threads_per_worker, patchify=config.patchify)
+                           threads_per_worker=config.threads_per_worker, patchify=config.patchify,
+                           keep_freed_bytes=config.keep_freed_bytes)
         model = None
         try:
             if config.components == "all":

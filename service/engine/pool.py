@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
+from service.engine.allocator import KEEP_FREED_BYTES
 from service.engine.worker import pack_bytes, resolve_patchify, unpack_rows, worker_main
 from service.errors import Kind, ServiceError
 from vision.checkpoint import Checkpoint, CheckpointError
@@ -181,6 +182,8 @@ class EncoderPool:
     cancelled while its request waits in the pool (it is then never encoded), not once a worker
     has it. `limits` are checked again by each worker as it decodes. `patchify`: where workers
     build the float patches, "device", "host" or "auto" (on a GPU, the device; see the worker).
+    `keep_freed_bytes`: free memory each worker's malloc arenas keep for the next image
+    (`service.engine.allocator`; 0 leaves the workers' allocators as they are).
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class EncoderPool:
         inline_bytes: int = INLINE_BYTES,
         patchify: str = "auto",
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+        keep_freed_bytes: int = KEEP_FREED_BYTES,
     ):
         # Fail fast, in the caller, on a bad directory, config or tensor list (before any spawn).
         ckpt = Checkpoint(checkpoint_dir)
@@ -214,6 +218,7 @@ class EncoderPool:
         self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.devices))
         self._dtype = dtype
         self._inline_bytes = inline_bytes
+        self._keep_freed_bytes = keep_freed_bytes
         self._ctx = tmp.get_context("forkserver")
         # Effective only before this process's forkserver starts (the first pool starts it).
         self._ctx.set_forkserver_preload(_PRELOAD)
@@ -331,7 +336,7 @@ class EncoderPool:
         slot.process = self._ctx.Process(
             target=worker_main,
             args=(slot.device, self.checkpoint_dir, self._dtype, self._threads, self.limits, self.patchify,
-                  self._inline_bytes, slot.requests, send),
+                  self._inline_bytes, self._keep_freed_bytes, slot.requests, send),
             name=f"kimi-vision-encoder-{slot.index}",
             daemon=True,
         )
