@@ -13,12 +13,13 @@ transparency) it prints the median of N runs of:
                 its table patchify (uint8 re-layout, one table gather per channel, fresh output)
   project       vision.preprocess_image: padded uint8 model input, pixel_values NOT built
   project+pv    the same, then .pixel_values (float32 [N,3,14,14]) built in a fresh array
-  worker+pv     what a CPU encoder worker runs: the padded image and then pixel_values built in
-                buffers reused from image to image (vision.buffers.BufferPool: no fresh pages)
+  worker+pv     what a CPU encoder worker runs: pixel_values built straight from the decoded
+                pixels (vision.preprocess.preprocess_patches, no padded image) into a buffer
+                reused from image to image (vision.buffers.BufferPool: no fresh pages)
   pv-write      allocating and filling a float32 array the size of pixel_values: a floor for
                 building them (every byte of the output written once, nothing read)
-  before, before+pv  (with --before REV) project and project+pv for vision/preprocess.py as it was
-                at git revision REV, loaded next to the current one
+  before, before+pv, before worker+pv  (with --before REV) project, project+pv and worker+pv for
+                vision/preprocess.py as it was at git revision REV, loaded next to the current one
   count         vision.count_tokens (header only)
 and the ratios straight/project+pv (target >= 4x on the 12 MP JPEG), project/decode and
 project+pv/decode (target <= 1.5x decode on the 12 MP JPEG), worker+pv/decode (target <= 1.8x
@@ -26,6 +27,7 @@ on the 12 MP JPEG, one core), sglang/worker+pv (target >= 2.5x), decode/count (t
 The timed calls take turns (one run of each, N times over), so load that drifts during the run
 hits every column alike. Everything is single-threaded except what OpenCV threads internally;
 --one-core pins the process to one CPU and OpenCV to one thread (what the worker+pv target is on).
+The process keeps freed image buffers as an encoder worker does (service.engine.allocator).
 Every class first checks that the project output is bit-identical to the straightforward one.
 With --fast it also times resize="fast" on the 48 MP class and reports its error against the
 exact path for OpenCV INTER_AREA (what "fast" uses) and INTER_CUBIC.
@@ -43,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import cv2
 import numpy as np
@@ -52,9 +55,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from k3_reference import reference_image, reference_preprocess  # noqa: E402
 
+from service.engine.allocator import KEEP_FREED_BYTES, keep_freed_memory  # noqa: E402
 from vision import count_tokens, plan_image, preprocess_image  # noqa: E402
+from vision import preprocess as vision_preprocess  # noqa: E402
 from vision.buffers import BufferPool  # noqa: E402
-from vision.preprocess import NORMALISE_TABLE, patchify_normalise  # noqa: E402
+from vision.preprocess import NORMALISE_TABLE  # noqa: E402
 
 
 def _photo(w: int, h: int, seed: int = 0) -> np.ndarray:
@@ -123,9 +128,9 @@ def decode_only(data: bytes) -> Image.Image:
     return im
 
 
-def preprocess_at(rev: str) -> Callable[..., object]:
-    """`preprocess_image` from vision/preprocess.py as it was at git revision `rev` (it imports the
-    rest of the current `vision` package)."""
+def preprocess_at(rev: str) -> ModuleType:
+    """vision/preprocess.py as it was at git revision `rev`, as a module (it imports the rest of
+    the current `vision` package)."""
     source = subprocess.run(["git", "show", f"{rev}:vision/preprocess.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
     name = "vision._preprocess_before"
@@ -133,7 +138,7 @@ def preprocess_at(rev: str) -> Callable[..., object]:
     module.__package__ = "vision"
     sys.modules[name] = module  # dataclasses look their module up while the class is built
     exec(compile(source, f"{rev}:vision/preprocess.py", "exec"), module.__dict__)
-    return module.preprocess_image
+    return module
 
 
 def sglang_table_path(data: bytes) -> np.ndarray:
@@ -150,29 +155,38 @@ def sglang_table_path(data: bytes) -> np.ndarray:
 
 
 class WorkerPath:
-    """A CPU encoder worker's host path: image and pixel_values built in buffers it reuses."""
+    """A CPU encoder worker's host path: pixel_values built in a buffer it reuses, straight from
+    the decoded pixels (`preprocess_patches`). `module`: vision.preprocess, or an earlier revision
+    of it; one without `preprocess_patches` runs what workers ran then: the padded image in a
+    reused buffer, then the patches from it."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: ModuleType = vision_preprocess) -> None:
+        self.module = module
         self.images, self.patches = BufferPool(np.uint8), BufferPool(np.float32)
 
     def __call__(self, data: bytes) -> np.ndarray:
         plan = plan_image(data)
-        with self.images.take(plan.image_bytes) as image, self.patches.take(plan.pixel_values_size) as values:
-            return patchify_normalise(preprocess_image(data, out=image).image, values)
+        with self.patches.take(plan.pixel_values_size) as values:
+            if hasattr(self.module, "preprocess_patches"):
+                return self.module.preprocess_patches(data, out=values)[1]
+            with self.images.take(plan.image_bytes) as image:
+                return self.module.patchify_normalise(self.module.preprocess_image(data, out=image).image, values)
 
 
-def check_identical(data: bytes, before: Callable[..., object] | None, worker: WorkerPath) -> None:
+def check_identical(data: bytes, before: ModuleType | None, worker: WorkerPath) -> None:
     ref = reference_preprocess(data)
     ref_pv = ref["pixel_values"].view(np.uint32)
-    for fn in (preprocess_image, before) if before else (preprocess_image,):
+    for fn in (preprocess_image, before.preprocess_image) if before else (preprocess_image,):
         got = fn(data)
         assert np.array_equal(got.image, ref["image"]), "image differs"
         assert np.array_equal(got.pixel_values.view(np.uint32), ref_pv), "pixels differ"
     assert np.array_equal(worker(data).view(np.uint32), ref_pv), "worker pixels differ"
+    if before:
+        assert np.array_equal(WorkerPath(before)(data).view(np.uint32), ref_pv), "before worker pixels differ"
     assert np.array_equal(sglang_table_path(data).view(np.uint32), ref_pv), "sglang pixels differ"
 
 
-def bench_class(name: str, repeats: int, before: Callable[..., object] | None) -> dict:
+def bench_class(name: str, repeats: int, before: ModuleType | None) -> dict:
     data = make_class(name)
     worker = WorkerPath()
     check_identical(data, before, worker)
@@ -187,8 +201,10 @@ def bench_class(name: str, repeats: int, before: Callable[..., object] | None) -
         "pv-write": lambda: np.empty(pv_shape, np.float32).fill(1.0),
     }
     if before:
-        fns["before"] = lambda: before(data)
-        fns["before+pv"] = lambda: before(data).pixel_values
+        before_worker = WorkerPath(before)
+        fns["before"] = lambda: before.preprocess_image(data)
+        fns["before+pv"] = lambda: before.preprocess_image(data).pixel_values
+        fns["before worker+pv"] = lambda: before_worker(data)
     r = {"class": TITLES[name], "bytes": len(data), **interleaved_ms(fns, repeats)}
     r["straight"] = median_ms(lambda: reference_preprocess(data), max(1, repeats // 2))
     r["count"] = median_ms(lambda: count_tokens(data), repeats * 20)
@@ -225,6 +241,9 @@ def main() -> None:
     parser.add_argument("--before", metavar="GIT_REV", help="also time vision/preprocess.py as of this revision")
     parser.add_argument("--one-core", action="store_true", help="run on one CPU, OpenCV on one thread")
     args = parser.parse_args()
+    # An encoder worker's allocator setting (it imports torch, then keeps freed image buffers), so
+    # every column decodes as a worker does: no page faults for Pillow's blocks.
+    keep_freed_memory(KEEP_FREED_BYTES)
     if args.one_core:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         cv2.setNumThreads(1)
@@ -233,7 +252,7 @@ def main() -> None:
     preprocess_image(make_class("palette"))  # warm-up: plugin registration, cv2 import
     rows = [bench_class(name, args.repeats, before) for name in args.classes.split(",")]
     cols = ["decode", "decode+array", "straight", "sglang", "project", "project+pv", "worker+pv", "pv-write"]
-    cols += ["before", "before+pv"] if before else []
+    cols += ["before", "before+pv", "before worker+pv"] if before else []
     cols += ["count"]
     ratios = {  # label -> (numerator, denominator)
         "straight / project+pv": ("straight", "project+pv"),
@@ -245,6 +264,7 @@ def main() -> None:
     if before:
         ratios["before / decode"] = ("before", "decode")
         ratios["before+pv / decode"] = ("before+pv", "decode")
+        ratios["before worker+pv / decode"] = ("before worker+pv", "decode")
     ratios["decode / count"] = ("decode", "count")
     for clock, title in (("wall", "wall-clock time"), ("cpu", "process CPU time (all threads, user + system)")):
         print(f"\n{title}: median of {args.repeats} interleaved runs, ms (straight: median of "

@@ -13,7 +13,7 @@ from PIL import Image
 from vision import preprocess_image
 from vision.buffers import BufferPool
 from vision.patchify import check_normalise, patchify_on_device
-from vision.preprocess import NORMALISE_TABLE, patchify_normalise, plan_image
+from vision.preprocess import NORMALISE_TABLE, patchify_normalise, plan_image, preprocess_patches
 
 # Padded (height, width) classes: the smallest image; one-token strips at the 7,168-px side limit,
 # both ways; odd patch counts per side (the 14-px patch grid is not the 28-px token grid's double
@@ -74,6 +74,11 @@ def test_outputs_built_in_caller_buffers_equal_fresh_ones():
             pv = patchify_normalise(pre.image, values)
             assert np.shares_memory(pv, values) and pv.shape == fresh.pixel_values.shape
             assert np.array_equal(pv.view(np.uint32), fresh.pixel_values.view(np.uint32))
+        with patches.take(plan.pixel_values_size) as values:  # the same buffer, holding this image's patches
+            values[:] = np.nan
+            got_plan, pv = preprocess_patches(data, out=values)
+            assert got_plan == plan and np.shares_memory(pv, values)
+            assert np.array_equal(pv.view(np.uint32), fresh.pixel_values.view(np.uint32))
 
 
 def test_output_buffers_that_do_not_fit_are_refused_before_decoding():
@@ -84,6 +89,8 @@ def test_output_buffers_that_do_not_fit_are_refused_before_decoding():
         preprocess_image(data, out=np.empty(56 * 56 * 3, np.float32))
     with pytest.raises(ValueError, match="out holds 100 values"):
         patchify_normalise(preprocess_image(data).image, np.empty(100, np.float32))
+    with pytest.raises(ValueError, match="out holds 9407 values; this image needs 9408"):
+        preprocess_patches(data[:200], out=np.empty(16 * 588 - 1, np.float32))  # truncated: refused first
 
 
 def test_buffer_pool_reuses_touched_buffers_and_keeps_a_bounded_number():

@@ -25,6 +25,7 @@ from vision import (
     preprocess_image,
 )
 from vision.decode import accepted_formats
+from vision.preprocess import preprocess_patches
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
@@ -92,12 +93,13 @@ PIXEL_DATA_PROBLEMS = {"png corrupt pixel data", "png header, pixels missing"}
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_gets_the_right_error(name: str) -> None:
+@pytest.mark.parametrize("preprocess", [preprocess_image, preprocess_patches], ids=lambda f: f.__name__)
+def test_bad_input_gets_the_right_error(name: str, preprocess) -> None:
     data, error, words = BAD_INPUTS[name]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(error, match=words) as info:
-            preprocess_image(data)
+            preprocess(data)
     assert isinstance(info.value, ImageError) and isinstance(info.value, ValueError)
     e = info.value
     assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), "no chained library error"
@@ -131,10 +133,9 @@ def test_avif_brand_is_not_mistaken_for_video() -> None:
     ],
 )
 def test_each_limit(limits: Limits, data: bytes, words: str) -> None:
-    with pytest.raises(ImageTooLargeError, match=words):
-        preprocess_image(data, limits=limits)
-    with pytest.raises(ImageTooLargeError, match=words):
-        count_tokens(data, limits=limits)
+    for preprocess in (preprocess_image, preprocess_patches, count_tokens):
+        with pytest.raises(ImageTooLargeError, match=words):
+            preprocess(data, limits=limits)
 
 
 def test_limits_at_the_boundary_pass() -> None:

@@ -13,7 +13,7 @@ from k3_reference import reference_preprocess
 from PIL import Image
 
 from vision import preprocess_image
-from vision.preprocess import COMPOSITE_TABLE, NORMALISE_TABLE
+from vision.preprocess import COMPOSITE_TABLE, NORMALISE_TABLE, preprocess_patches
 
 # Small sizes take the no-resize path; strips longer than 7168 px force a resize cheaply.
 SIZES = [(53, 37), (7300, 23), (19, 7250)]
@@ -131,7 +131,13 @@ def assert_matches_reference(data: bytes) -> None:
     pv = got.pixel_values
     assert pv.dtype == np.float32 and pv.shape == ref["pixel_values"].shape and pv.flags.c_contiguous
     # Bitwise, not approximately: compare the float32 bit patterns.
-    assert np.array_equal(pv.view(np.uint32), np.ascontiguousarray(ref["pixel_values"]).view(np.uint32))
+    ref_bits = np.ascontiguousarray(ref["pixel_values"]).view(np.uint32)
+    assert np.array_equal(pv.view(np.uint32), ref_bits)
+    plan, patches = preprocess_patches(data)  # the same patches, never building the padded image
+    for key in ("orig_size", "size", "padded_size", "grid_thw", "num_tokens", "prompt"):
+        assert getattr(plan, key) == ref[key], key
+    assert patches.shape == pv.shape and patches.flags.c_contiguous
+    assert np.array_equal(patches.view(np.uint32), ref_bits)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -207,14 +213,30 @@ def test_pixels_view_is_pillows_own_memory() -> None:
 def test_images_in_several_blocks_are_read_in_bands(mode: str) -> None:
     from k3_reference import reference_fill
 
-    from vision.preprocess import _pixel_bands, _pixels_view, _to_padded_rgb
+    from vision.preprocess import _patches_of, _PixelRows, _pixels_view, _to_padded_rgb, patchify_normalise
 
     pixels = np.random.default_rng(5).integers(0, 256, (2100, 2100, len(mode)), dtype=np.uint8)
     pixels[:300, :, -1] = 0 if mode == "RGBA" else pixels[:300, :, -1]  # transparent rows: checkerboard
     image = Image.fromarray(pixels, mode).copy()  # 17.6 MB in Pillow's own memory: over its 16 MiB block
     assert _pixels_view(image) is None, "the case must need bands"
-    tops = [top for top, _ in _pixel_bands(image)]
-    assert len(tops) > 1 and tops[1] % 8 != 0, "band edges must cut through checkerboard squares"
+    rows = _PixelRows(image)
+    rows(0, 1)
+    band = rows.band.shape[0]
+    assert 1 < band < 2100 and band % 8 != 0 and band % 14 != 0, "band edges must cut squares and patch rows"
     out = _to_padded_rgb(image, (2114, 2128))
     assert np.array_equal(out[:2100, :2100], reference_fill(image))
     assert not out[2100:].any() and not out[:, 2100:].any()
+    # Straight from Pillow's bands to the patches, padding included: what the padded image gives.
+    patches = _patches_of(image, (2114, 2128), None)
+    assert np.array_equal(patches.view(np.uint32), patchify_normalise(out).view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["RGB", "RGBA", "P-tRNS"])
+def test_a_pillow_without_arrow_export_gives_the_same_model_input(kind: str, monkeypatch) -> None:
+    # Older Pillows have no `__arrow_c_array__`: every band is then a `tobytes` copy (3 bytes per
+    # pixel for RGB, 4 for RGBA), which both the padded image and the patches path must read.
+    import vision.preprocess as pp
+
+    monkeypatch.setattr(pp, "_pixels_view", lambda image: None)
+    monkeypatch.setattr(pp, "_ROW_BAND_BYTES", 4 * 300 * 5)  # bands of 5 rows: many, cutting patch rows
+    assert_matches_reference(make_image(kind, 300, 97))

@@ -13,7 +13,8 @@ Patches are built on the device (`patchify="device"`, the default on a GPU): the
 image goes through the worker's staging buffer to the card (`service.engine.staging`) and
 `vision.patchify` builds `pixel_values` there, so the host never writes the float32 patches (4x
 the image's bytes) nor copies them to the card. `patchify="host"` (the default on a CPU) builds
-them on the host, into a buffer the worker reuses (no fresh pages per image).
+them on the host straight from the decoded pixels (`vision.preprocess.preprocess_patches`: the
+padded uint8 image is never written), into a buffer the worker reuses (no fresh pages per image).
 
 On a GPU the tower runs asynchronously: after queueing image k the worker takes image k+1 if one
 is waiting, decodes it and queues its copy while the card still works on k, then answers k. The
@@ -46,7 +47,7 @@ from vision.encoder import VisionEncoder
 from vision.errors import ImageError
 from vision.options import ImageOptions
 from vision.patchify import check_normalise, patchify_on_device
-from vision.preprocess import patchify_normalise, plan_image, preprocess_image
+from vision.preprocess import plan_image, preprocess_image, preprocess_patches
 
 Payload = bytes | torch.Tensor  # inline bytes, or a uint8 shared-memory tensor holding them
 PATCHIFY = ("auto", "device", "host")
@@ -87,7 +88,6 @@ class ImageEncoder:
             check_normalise(encoder.device)
             self.staging = Staging(encoder.device)
         else:
-            self._images = BufferPool(np.uint8)
             self._patches = BufferPool(np.float32)
 
     @torch.inference_mode()
@@ -98,11 +98,11 @@ class ImageEncoder:
             pre = preprocess_image(data, options, self.limits, out=self.staging.buffer(plan.image_bytes))
             pixels = patchify_on_device(self.staging.upload(pre.image))
             return self._queued(self.encoder.encode([(pixels, pre.grid_thw)])[0])
-        with self._images.take(plan.image_bytes) as image, self._patches.take(plan.pixel_values_size) as patches:
-            pre = preprocess_image(data, options, self.limits, out=image)
+        with self._patches.take(plan.pixel_values_size) as buffer:
+            plan, patches = preprocess_patches(data, options, self.limits, out=buffer)
             # The tower has read the patches (on a GPU: copied them from this pageable buffer) when
-            # encode returns, so the buffers can be reused for the next image.
-            return self._queued(self.encoder.encode([(patchify_normalise(pre.image, patches), pre.grid_thw)])[0])
+            # encode returns, so the buffer can be reused for the next image.
+            return self._queued(self.encoder.encode([(patches, plan.grid_thw)])[0])
 
     def _queued(self, rows: torch.Tensor) -> Launched:
         if not self.asynchronous:
