@@ -48,11 +48,16 @@ def test_normalise_check_on_the_device_and_what_it_catches(monkeypatch):
     assert NORMALISE_TABLE.dtype == np.float32
 
 
-def test_device_patchify_refuses_what_is_not_a_padded_uint8_image():
+def test_both_paths_refuse_what_is_not_a_padded_uint8_image():
     with pytest.raises(ValueError, match="expected a uint8"):
         patchify_on_device(torch.zeros(28, 28, 3))
     with pytest.raises(ValueError, match="not a multiple of the 14-px patch"):
         patchify_on_device(torch.zeros(28, 30, 3, dtype=torch.uint8))
+    for image in (np.zeros((28, 28, 3), np.float32), np.zeros((28, 28, 4), np.uint8), np.zeros((28, 28), np.uint8)):
+        with pytest.raises(ValueError, match="expected a uint8"):
+            patchify_normalise(image)
+    with pytest.raises(ValueError, match="not a multiple of the 14-px patch"):
+        patchify_normalise(np.zeros((28, 30, 3), np.uint8))
 
 
 def _png(w: int, h: int, seed: int) -> bytes:

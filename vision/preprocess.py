@@ -162,7 +162,11 @@ def patchify_normalise(image: np.ndarray, out: np.ndarray | None = None) -> np.n
 
     `out`: a writable, C-contiguous float32 buffer of at least that many values, which the result
     is a view of (its first values); None allocates a new array."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected a uint8 (H, W, 3) image, got {image.dtype} {list(image.shape)}")
     h, w, _ = image.shape
+    if h % PATCH_SIZE or w % PATCH_SIZE:
+        raise ValueError(f"image {h}x{w} is not a multiple of the {PATCH_SIZE}-px patch")
     return _build_patches((w, h), out, lambda top, bottom, planes: _split_into(image[top:bottom], planes))
 
 
