@@ -81,13 +81,17 @@ def pool2(ckpt):
         yield pool
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat from field 3 (state) on: the process name, which may hold spaces, cut off."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+    return stat_fields(pid)[0] != "Z"
 
 
 def test_two_workers_equal_one_worker_and_in_process(ckpt, pool2, reference):
@@ -425,7 +429,7 @@ def test_device_side_patchify_in_the_workers_gives_the_same_rows(ckpt, pool2, to
 
 
 def _minor_faults(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])  # field 10, minflt
+    return int(stat_fields(pid)[7])  # field 10, minflt
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
