@@ -1,8 +1,8 @@
 """One encoder worker process: encoded image bytes in, projector rows out, on one device.
 
-The worker runs the whole vision path for each request it is sent (`ImageEncoder`):
-`vision.preprocess_image` (decode, resize, compositing, padding), the patches (normalised float32
-`pixel_values`), and the tower and projector of `vision.VisionEncoder`. The parent
+The worker runs the whole vision path for each request it is sent (`ImageEncoder`): decode, resize,
+compositing and padding (`vision.preprocess`), the patches (normalised float32 `pixel_values`), and
+the tower and projector of `vision.VisionEncoder`. The parent
 (`service.engine.pool`) has only read the image's header. Messages:
 
     parent -> worker  (request id, image bytes, ImageOptions) | None to stop
