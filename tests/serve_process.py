@@ -23,12 +23,17 @@ _READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(.*)")
 _MORE_PORTS = re.compile(r"; (\w+) on \S+:(\d+)")  # "; http on 127.0.0.1:8000; health on ...; metrics on ..."
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the test process dies, even by SIGKILL (a killed or
-    timed-out pytest would otherwise leave a serving process behind). Linux's PR_SET_PDEATHSIG."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+# The server is started through this fresh interpreter, which asks for SIGTERM when the test
+# process dies, even by SIGKILL (a killed or timed-out pytest would otherwise leave a serving process
+# behind; Linux's PR_SET_PDEATHSIG, kept across exec), then execs the command. Not a `preexec_fn`: that
+# makes Popen fork and run Python in the child of a process whose gRPC threads are live, and gRPC's
+# event engine then aborted the child before its exec (epoll_wait: Bad file descriptor; 2 of 5
+# clean-clone CI runs lost test_faults' server that way).
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    f"ctypes.CDLL(None, use_errno=True).prctl(1, {int(signal.SIGTERM)}); "  # 1 = PR_SET_PDEATHSIG
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 def serve_command() -> list[str]:
@@ -65,8 +70,9 @@ class ServeProcess:
         `command`: the whole command line instead."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log = open(log_path, "wb")  # the child writes to it for its whole life
-        proc = subprocess.Popen(command or [*serve_command(), "serve", "--port", "0", *args], cwd=cwd, env=full_env,
-                                stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
+        command = command or [*serve_command(), "serve", "--port", "0", *args]
+        proc = subprocess.Popen([sys.executable, "-c", _EXEC_DYING_WITH_PARENT, *command], cwd=cwd, env=full_env,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
         log.close()
         return cls(proc, log_path)
 
