@@ -83,7 +83,7 @@ async def warm_up(spec: JobSpec, warm: Path, out: Path, backend, concurrency: in
 async def main_async(args: argparse.Namespace) -> None:
     from service.checkpoints.default import default_checkpoint_dir
     from service.engine import Engine, EngineConfig
-    from service.rpc.server import ServerConfig, ServerThread
+    from service.server import ServerConfig, ServerThread
 
     tmp = Path(tempfile.mkdtemp(prefix="kimi-bench-batch-"))
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint_dir()

@@ -42,7 +42,7 @@ from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.engine.identity import checkpoint_fingerprint
 from service.openai.request import parse_chat_request
-from service.rpc.server import ServerConfig, ServerThread
+from service.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = REPO_ROOT / "samples"

@@ -33,7 +33,7 @@ from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, image, user
-from service.rpc.server import ServerConfig, ServerThread
+from service.server import ServerConfig, ServerThread
 
 # A killed worker is back within 10 s. Wall time is judged only when the machine is not
 # oversubscribed (load average <= cores): on a shared 2-core box at load 9, importing torch alone

@@ -1,6 +1,6 @@
 """The house rules, read off the code's own imports: data flows one way (bytes -> vision/ ->
-textcore/ -> service/), the engine is below every face, and the faces reach the model only
-through the engine."""
+textcore/ -> service/), the engine is below every face, the faces are peers under the serving
+process, and the faces reach the model only through the engine."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_PARTS = ("service.engine.pool", "service.engine.worker", "vision.encoder", "vision.tower", "vision.projector",
                "textcore.model", "textcore.generate")
 # The faces that turn bytes into rows: every one must go through the engine.
-FACES = ("service/rpc", "service/batch", "service/cli/embed.py", "service/cli/serve.py", "service/cli/demo.py",
-         "service/cli/batch.py")
+FACES = ("service/rpc", "service/http", "service/openai", "service/batch", "service/cli/embed.py",
+         "service/cli/serve.py", "service/cli/demo.py", "service/cli/batch.py")
 
 
 def _modules(*places: str) -> list[Path]:
@@ -47,7 +47,19 @@ def test_data_flows_one_way():
 
 
 def test_the_engine_is_below_every_face():
-    assert _offenders(("service/engine",), ("service.rpc", "service.batch", "service.cli", "service.checkpoints")) == []
+    assert _offenders(("service/engine",), ("service.rpc", "service.http", "service.openai", "service.batch",
+                                            "service.cli", "service.checkpoints", "service.server",
+                                            "service.admission")) == []
+
+
+def test_the_two_server_faces_are_peers_under_the_serving_process():
+    """`service.server` starts the gRPC and the HTTP face; neither imports the other or it."""
+    assert _offenders(("service/rpc",), ("service.http", "service.server")) == []
+    assert _offenders(("service/http", "service/openai"), ("service.rpc", "service.server")) == []
+    # What the two faces share sits below both: admission, the error taxonomy, auth, metrics, logs.
+    shared = ("service/admission.py", "service/errors.py", "service/auth.py", "service/metrics.py",
+              "service/logs.py", "service/tracing.py")
+    assert _offenders(shared, ("service.rpc", "service.http", "service.openai", "service.server")) == []
 
 
 def test_faces_reach_the_model_only_through_the_engine():

@@ -27,7 +27,7 @@ from service.batch.spec import JobSpec
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import Engine, EngineConfig, ImageInput
 from service.rpc.client import VisionClient
-from service.rpc.server import ServerConfig, ServerThread
+from service.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAMES = ["photo.jpg", "sticker_rgba.png", "palette_transparent.png"]

@@ -30,7 +30,7 @@ from service.engine.vllm_ec import mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
 from service.rpc.convert import CHUNK_BYTES
-from service.rpc.server import ServerConfig, ServerThread
+from service.server import ServerConfig, ServerThread
 from textcore.chat import render
 from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 
@@ -284,7 +284,7 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
     engine = server.engine
     chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
     chat = ChatInput(messages, images=[ImageInput(x) for x in (a, b, c)])
-    expanded, embeds, _ = engine.trunk_input(chat, chat_input_embeddings)
+    expanded, embeds, _ = engine._trunk_input(chat, chat_input_embeddings)
     assert expanded.input_ids == ids
     text_rows = engine.model.embed_tokens(torch.tensor(ids))
     is_image = torch.tensor(ids) == MEDIA_PAD_ID
@@ -454,7 +454,7 @@ def test_overload_cancel_and_drain(narrow, server):
 
         in_flight = c.generate([user("Tell me a long story")], max_new_tokens=40)
         next(in_flight)
-        drained = narrow.drain_in_background()
+        drained = narrow.submit(narrow.server.drain())
         deadline = time.monotonic() + 10
         while not narrow.server.draining and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -298,6 +298,3 @@ class Tokenizer:
             return self.special_ids[name]
         except KeyError:
             raise TokenizerError(f"{name!r} is not a special token of this tokenizer") from None
-
-    def is_special_id(self, token_id: int) -> bool:
-        return NUM_BASE_TOKENS <= token_id < self.vocab_size

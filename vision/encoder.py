@@ -9,24 +9,26 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from vision.checkpoint import Checkpoint, CheckpointError
 from vision.config import VisionConfig, preset
+from vision.preprocess import Preprocessed
 from vision.projector import Projector
 from vision.tower import Grid, VisionTower
 
 TOWER_PREFIX = "vision_tower."
 PROJECTOR_PREFIX = "mm_projector."
+# What the tower takes for one image: a `vision.Preprocessed`, or `(pixel_values, grid_thw)` with
+# pixel_values float32 [N, 3, 14, 14] (a numpy array or a tensor on the encoder's device).
+ModelInput = Preprocessed | tuple[np.ndarray | torch.Tensor, Sequence[int]]
 
 
-def model_input(item: Any) -> tuple[torch.Tensor, Grid]:
-    """`(pixel_values [N,3,14,14] float32 tensor, (t, h, w))` from a `vision.Preprocessed` (anything
-    with `.pixel_values` and `.grid_thw`) or a raw `(pixel_values, grid_thw)` pair."""
-    if hasattr(item, "pixel_values") and hasattr(item, "grid_thw"):
+def model_input(item: ModelInput) -> tuple[torch.Tensor, Grid]:
+    """`(pixel_values [N,3,14,14] float32 tensor, (t, h, w))` of one image."""
+    if isinstance(item, Preprocessed):
         pixels, grid = item.pixel_values, item.grid_thw
     elif isinstance(item, (tuple, list)) and len(item) == 2:
         pixels, grid = item
@@ -43,7 +45,7 @@ def model_input(item: Any) -> tuple[torch.Tensor, Grid]:
         raise ValueError(f"grid_thw must be (t, h, w), got {grid}")
     if pixels.ndim != 4 or pixels.shape[0] != grid[0] * grid[1] * grid[2]:
         raise ValueError(f"pixel_values {list(pixels.shape)} do not match grid_thw {grid}")
-    check_num_tokens(getattr(item, "num_tokens", None), grid)
+    check_num_tokens(item.num_tokens if isinstance(item, Preprocessed) else None, grid)
     return pixels, grid  # type: ignore[return-value]
 
 
@@ -109,7 +111,7 @@ class VisionEncoder:
         return cls(config, tower.to(device), projector.to(device))
 
     @torch.inference_mode()
-    def encode(self, items: Sequence[Any]) -> list[torch.Tensor]:
+    def encode(self, items: Sequence[ModelInput]) -> list[torch.Tensor]:
         """One `[num_tokens, text_hidden]` tensor per image (on this encoder's device and dtype)."""
         if not items:
             return []

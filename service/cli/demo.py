@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from service.engine import EngineConfig
     from service.rpc._proto import vision_pb2 as pb
     from service.rpc.client import VisionClient, user
-    from service.rpc.server import ServerConfig, ServerThread
+    from service.server import ServerConfig, ServerThread
 
     print("kimi-vision demo: starting the gRPC service in this process ...", flush=True)
     start = time.perf_counter()

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from service.engine import EngineConfig
     from service.http.app import HttpConfig
     from service.logs import ServerLog
-    from service.rpc.server import ServerConfig, serve
+    from service.rpc.server import GrpcConfig
+    from service.server import ServerConfig, VisionServer, serve
     from vision import Limits
 
     if args.otlp_endpoint:
@@ -126,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
-    def announce(server) -> None:
-        ports = (("http", server.http.port if server.http is not None else None), ("health", server.health_port),
-                 ("metrics", server.metrics_port))
+    def announce(server: VisionServer) -> None:
+        ports = (("http", server.http_port), ("health", server.health_port), ("metrics", server.metrics_port))
         more = "".join(f"; {name} on {args.host}:{port}" for name, port in ports if port is not None)
         print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}", flush=True)
 
@@ -136,15 +136,15 @@ def run(args: argparse.Namespace) -> int:
     # the log's format; written off the event loop: a stuck log reader never stalls requests.
     server_log = ServerLog(log_format=args.log_format)
     try:
-        http = HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
-                          allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
-                          log_health_checks=args.log_health_checks)
         config = ServerConfig(
-            host=args.host, port=args.port, metrics_port=args.metrics_port, health_port=args.health_port,
-            log_health_checks=args.log_health_checks, max_receive_bytes=args.max_message_mb << 20,
-            max_concurrency=args.max_concurrency, max_queue=args.max_queue, drain_grace_s=args.drain_seconds,
-            credentials=credentials, interceptors=interceptors, http_port=args.http_port, http=http,
-            tls_files=(args.tls_cert, args.tls_key) if credentials else None,
+            host=args.host, port=args.port, http_port=args.http_port, health_port=args.health_port,
+            metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+            drain_grace_s=args.drain_seconds, log_health_checks=args.log_health_checks,
+            grpc=GrpcConfig(max_receive_bytes=args.max_message_mb << 20, credentials=credentials,
+                            interceptors=interceptors),
+            http=HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
+                            allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
+                            tls_files=(args.tls_cert, args.tls_key) if credentials else None),
         )
         engine_config = EngineConfig(
             checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,

@@ -8,24 +8,30 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 
-class EmbedCache:
+class HasRows(Protocol):
+    rows: torch.Tensor
+
+
+V = TypeVar("V", bound=HasRows)
+
+
+class EmbedCache(Generic[V]):
     """Thread-safe LRU of `content_hash -> value`, holding at most `max_bytes` of tensor data.
 
-    Values are anything with a `rows` tensor (the engine's `ImageEmbedding`); their size is that
-    tensor's bytes. An entry larger than the whole budget is not stored; `max_bytes == 0`
-    disables the cache.
+    Values hold a `rows` tensor (the engine's `ImageEmbedding`); their size is that tensor's
+    bytes. An entry larger than the whole budget is not stored; `max_bytes == 0` disables the cache.
     """
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[V, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -36,7 +42,7 @@ class EmbedCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> Any | None:
+    def get(self, key: str) -> V | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -44,7 +50,7 @@ class EmbedCache:
             self._entries.move_to_end(key)
             return entry[0]
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, key: str, value: V) -> None:
         rows: torch.Tensor = value.rows
         size = rows.numel() * rows.element_size()
         if size > self.max_bytes:

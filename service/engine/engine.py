@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 CHAT_KWARGS = ("add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort", "thinking_effort",
                "tool_choice", "response_format", "response_schema")
 Components = Literal["all", "vision"]
+T = TypeVar("T")
 COMPONENTS = ("all", "vision")
 
 
@@ -247,7 +248,7 @@ class Engine:
         if model is not None:
             decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
             self._allowed_ids = None if bool(decodable.all()) else decodable
-        self.cache = EmbedCache(config.cache_bytes)
+        self.cache: EmbedCache[ImageEmbedding] = EmbedCache(config.cache_bytes)
         self.metrics = metrics or Metrics()
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
         self.trunk_executor = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-trunk")
@@ -325,7 +326,7 @@ class Engine:
         """Per-worker state (for health checks and metrics)."""
         return self.pool.health()
 
-    def run_cpu(self, fn: Callable, *args: Any) -> asyncio.Future:
+    def run_cpu(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Run blocking CPU work (tensor conversions, serialisation) on the engine's CPU threads."""
         return asyncio.get_running_loop().run_in_executor(self.cpu_executor, fn, *args)
 
@@ -519,7 +520,7 @@ class Engine:
         return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)
 
     @torch.inference_mode()
-    def trunk_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> TrunkInput:
+    def _trunk_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> TrunkInput:
         """The trunk's input for `chat` with its images' embeddings (blocking; needs the trunk)."""
         model = self.model
         segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
@@ -533,7 +534,7 @@ class Engine:
     @torch.inference_mode()
     def _generate(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding], params: SamplingParams,
                   emit: Callable[[Event], None], cancelled: threading.Event) -> GenerationResult:
-        expanded, embeds, thinking = self.trunk_input(chat, embeddings)
+        expanded, embeds, thinking = self._trunk_input(chat, embeddings)
         parser = StreamParser(self.tokenizer, thinking=thinking)
 
         def on_token(_: int, token_id: int) -> None:

@@ -22,17 +22,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service import tracing
+from service.admission import Admission
 from service.auth import BearerToken, presented_token, refusal
-from service.engine import Engine, GenerationResult
+from service.engine import ChatInput, Engine, GenerationResult, SamplingParams
 from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
@@ -49,23 +49,13 @@ UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the pa
 EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
 
-class Host(Protocol):
-    """What the HTTP face needs of the server it runs in (`service.rpc.server.VisionServer`)."""
-
-    engine: Engine
-    metrics: Metrics
-    serving: bool
-
-    def admit(self) -> AbstractAsyncContextManager[None]: ...
-
-
 @dataclass(frozen=True)
 class HttpConfig:
     max_body_bytes: int = 64 << 20  # one request body (the gRPC face's message limit)
     token: str | None = None  # bearer token required on /v1/* (None: open)
     allow_remote_images: bool = False
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
-    log_health_checks: bool = False  # an access-log line for every GET /health too
+    tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files: serve HTTPS
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -77,7 +67,9 @@ def _error(failure: Failure) -> JSONResponse:
     return JSONResponse(error_body(failure), status_code=failure.rule.http)
 
 
-def create_app(host: Host, config: HttpConfig) -> FastAPI:
+def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
+               log_health_checks: bool = False) -> FastAPI:
+    """The app on one server process's admission (which holds the engine) and metrics."""
     app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
     token = BearerToken(config.token) if config.token else None
 
@@ -104,8 +96,8 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
         response.headers[REQUEST_ID_HEADER] = rid
         seconds = time.perf_counter() - start
         route = request.scope.get("route")
-        host.metrics.http_end(request.method, getattr(route, "path", UNMATCHED), response.status_code, seconds)
-        if health and not config.log_health_checks:
+        metrics.http_end(request.method, getattr(route, "path", UNMATCHED), response.status_code, seconds)
+        if health and not log_health_checks:
             return response
         log_access(log, request_id=rid, method=f"{request.method} {path}",
                    peer=f"{request.client.host}:{request.client.port}" if request.client else "?",
@@ -115,13 +107,13 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if host.serving:
+        if admission.serving:
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not serving"}, status_code=503)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        engine = host.engine
+        engine = admission.engine
         if engine is None:
             return _error(Failure(Kind.UNAVAILABLE, "server is warming up; retry shortly"))
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kimi-vision", "root": engine.model_id,
@@ -134,8 +126,7 @@ def create_app(host: Host, config: HttpConfig) -> FastAPI:
         try:
             body = await _json_body(request, config.max_body_bytes)
             chat_request = parse_chat_request(body)
-            await stack.enter_async_context(host.admit())
-            engine = host.engine
+            engine = await stack.enter_async_context(admission.admit())
             if not engine.serves(chat_request.model):
                 raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
                                f"{list(engine.served_model_names)}")
@@ -208,7 +199,7 @@ async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> d
     return _stream(engine, chat, params, model, reply_id, request.include_usage)
 
 
-async def _stream(engine: Engine, chat: Any, params: Any, model: str, reply_id: str,
+async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model: str, reply_id: str,
                   include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     reply = Reply()

@@ -22,13 +22,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.rpc import MAX_FRAME_BYTES
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "kimi.vision.v1.VisionService"
 DEFAULT_MAX_SEND_BYTES = 64 << 20
 DEFAULT_MAX_RECEIVE_BYTES = 256 << 20
-MAX_FRAME_BYTES = 4 << 20  # HTTP/2 frame size both ends ask for (the server imports it)
 
 _NUMPY_DTYPES = {
     "uint8": np.uint8,

@@ -1,13 +1,12 @@
 """`kimi.vision.v1.VisionService`: each RPC converts its request, calls the engine once, and
 converts the answer. Admission, the serving state and the error mapping wrap every call
-(`VisionServer.call`)."""
+(`GrpcFace.call`, which hands the handler the engine)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
 
 import grpc
 
@@ -18,27 +17,17 @@ from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from vision.options import DEFAULT_OPTIONS
 
-
-class Host(Protocol):
-    """What the service needs of the server that hosts it (`service.rpc.server.VisionServer`)."""
-
-    engine: Engine
-
-    def call(self, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]: ...
+# Admission and the error mapping around one RPC's body, yielding the engine (`GrpcFace.call`).
+Call = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[Engine]]
 
 
 class VisionService(pb_grpc.VisionServiceServicer):
-    def __init__(self, server: Host) -> None:
-        self._server = server
-
-    @property
-    def _engine(self) -> Engine:
-        return self._server.engine
+    def __init__(self, call: Call) -> None:
+        self._call = call
 
     async def Preprocess(self, request: pb.PreprocessRequest,
                          context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
-        async with self._server.call(context):
-            engine = self._engine
+        async with self._call(context) as engine:
             pre = await engine.preprocess(convert.image_input(request.image))
             reply = pb.PreprocessResponse(
                 orig_width=pre.orig_size[0], orig_height=pre.orig_size[1], width=pre.size[0], height=pre.size[1],
@@ -52,8 +41,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def CountTokens(self, request: pb.CountTokensRequest,
                           context: grpc.aio.ServicerContext) -> pb.CountTokensResponse:
-        async with self._server.call(context):
-            engine = self._engine
+        async with self._call(context) as engine:
             which = request.WhichOneof("input")
             if which == "image":
                 n = (await engine.plan(convert.image_input(request.image))).num_tokens
@@ -67,9 +55,8 @@ class VisionService(pb_grpc.VisionServiceServicer):
             raise BadRequest("CountTokens needs an image or a chat")
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
-        async with self._server.call(context):
+        async with self._call(context) as engine:
             dtype = convert.out_dtype(request.dtype)
-            engine = self._engine
             (emb,) = await engine.embed([convert.image_input(request.image)])
             data = await engine.run_cpu(convert.tensor_bytes, emb.rows, dtype)
             yield pb.EmbedChunk(header=pb.EmbedHeader(
@@ -82,9 +69,8 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Encode(self, request: pb.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EncodeChunk]:
-        async with self._server.call(context):
+        async with self._call(context) as engine:
             dtype = convert.out_dtype(request.dtype)
-            engine = self._engine
             chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
                                       request.chat_kwargs_json)
             export = convert.TORCH_DTYPES[dtype] if request.export_vllm_ec else None
@@ -106,8 +92,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
-        async with self._server.call(context):
-            engine = self._engine
+        async with self._call(context) as engine:
             chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
                                       request.chat_kwargs_json)
             params = convert.sampling(engine, request)
@@ -120,8 +105,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
                         yield message
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        async with self._server.call(context):
-            engine = self._engine
+        async with self._call(context) as engine:
             return pb.ModelInfo(fingerprint=engine.fingerprint, hidden_size=engine.hidden_size,
                                 components=engine.config.components, devices=engine.devices,
                                 image_options=DEFAULT_OPTIONS.key(), model_id=engine.model_id,

@@ -1,4 +1,5 @@
-"""Optional TLS for the gRPC server (`--tls-cert` / `--tls-key`) and its clients.
+"""Optional TLS for the gRPC server (`--tls-cert` / `--tls-key`); clients pass their roots to
+`service.rpc.auth.bearer_credentials`.
 
 The certificate chain and key are PEM files. They are checked when the server starts, with the
 standard library's TLS stack, so a wrong path, a non-PEM file or a key that does not belong to
@@ -50,9 +51,3 @@ def tls_paths(cert: str | None, key: str | None) -> tuple[str, str] | None:
     if (cert is None) != (key is None):
         raise TLSConfigError("--tls-cert and --tls-key go together: give both or neither")
     return None if cert is None else (cert, key)
-
-
-def channel_credentials(root_certificates_path: str | Path | None = None) -> grpc.ChannelCredentials:
-    """Client-side TLS credentials trusting `root_certificates_path` (PEM), or the system roots."""
-    roots = None if root_certificates_path is None else _read(root_certificates_path, "root certificates")
-    return grpc.ssl_channel_credentials(roots)

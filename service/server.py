@@ -1,0 +1,262 @@
+"""The serving process: one `Engine`, the state and admission every request passes, and the faces
+it starts as peers: the gRPC face (`service.rpc`, always), the OpenAI-compatible HTTP face
+(`service.http`, with an HTTP port), the plaintext health port and `/metrics`. Neither face knows
+the other or this module; both reach the engine only through `Admission`.
+
+Lifecycle: `start()` binds every port and answers health NOT_SERVING while the engine loads and
+warms up in the background; then SERVING, following the encoder pool (NOT_SERVING while no worker
+is ready). `drain()` (SIGTERM) flips health to NOT_SERVING for good (open Watch streams get it and
+end), refuses new requests with UNAVAILABLE, lets admitted ones finish (up to a grace period) and
+stops; an idle server stops at once, whatever streams are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from service.admission import Admission, State
+from service.engine import Engine, EngineConfig
+from service.http.app import HttpConfig, create_app
+from service.http.server import HttpServer
+from service.metrics import Metrics, MetricsServer
+from service.rpc.server import SERVICE_NAME, GrpcConfig, GrpcFace
+
+log = logging.getLogger("kimi_vision.server")
+
+# Once no admitted request is left, what the rest (a status being sent, a health check) may take.
+STOP_GRACE_S = 1.0
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the process listens and how much work it takes. What an image or a request may hold
+    is the engine's (`EngineConfig`); what a message may hold, each face's."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # the gRPC face (0 = any free port; see VisionServer.port)
+    http_port: int | None = None  # the OpenAI-compatible HTTP face (None: off; 0: any free port)
+    health_port: int | None = None  # the gRPC health service alone, plaintext (None: off; 0: any)
+    metrics_port: int | None = None  # /metrics (None: off; 0: any free port)
+    max_concurrency: int = 4  # requests doing work at once, over both faces
+    max_queue: int = 32  # requests waiting for a slot; more are refused (overloaded)
+    drain_grace_s: float = 30.0
+    log_health_checks: bool = False  # an access-log line for every health check too (both faces)
+    grpc: GrpcConfig = field(default_factory=GrpcConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+
+
+class VisionServer:
+    """One serving process around one `Engine`. Create and use it on a running event loop."""
+
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig | None = None, *,
+                 engine: Engine | None = None, metrics: Metrics | None = None) -> None:
+        if (engine_config is None) == (engine is None):
+            raise ValueError("give either engine_config (the server loads it) or a loaded engine")
+        self.config = config
+        self._engine_config = engine_config
+        self._loaded = engine
+        self._owns_engine = engine is None
+        self.metrics = metrics or (engine.metrics if engine is not None else Metrics())
+        self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics)
+        self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks)
+        self.http: HttpServer | None = None
+        self.port: int | None = None
+        self.http_port: int | None = None
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.load_error: BaseException | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._warm_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine, once loaded (None while it loads, and after the server stopped it)."""
+        return self._loaded
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.state == State.DRAINING
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Bind every port and start serving (health NOT_SERVING until the engine is warm).
+        Returns the gRPC port."""
+        cfg = self.config
+        self.port = await self.grpc.start(cfg.host, cfg.port)
+        if cfg.health_port is not None:
+            self.health_port = await self.grpc.start_health_port(cfg.host, cfg.health_port)
+        if cfg.http_port is not None:
+            certfile, keyfile = cfg.http.tls_files or (None, None)
+            app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks)
+            self.http = HttpServer(app, cfg.host, cfg.http_port, certfile=certfile, keyfile=keyfile)
+            self.http_port = self.http.port
+            await self.http.start()
+        if cfg.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
+            self.metrics_port = self._metrics_server.port
+        self._warm_task = asyncio.create_task(self._warm())
+        return self.port
+
+    async def _warm(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            engine = self._loaded
+            if engine is None:
+                engine = self._loaded = await loop.run_in_executor(None, Engine.load, self._engine_config,
+                                                                   self.metrics)
+            await loop.run_in_executor(None, engine.warmup)
+        except Exception as exc:  # noqa: BLE001 - reported by wait_ready / serve
+            self.load_error = exc
+            self.admission.state = State.FAILED
+            log.error("engine failed to load: %s", exc)
+            self._stopped.set()
+            return
+        self.metrics.read_workers(engine.health)
+        if not self.draining:
+            self.admission.engine = engine
+            await self._set_state(State.SERVING)
+            log.info("serving %s on %s:%s", SERVICE_NAME, self.config.host, self.port)
+            self._watch_task = asyncio.create_task(self._watch_pool(engine))
+
+    async def _set_state(self, state: State) -> None:
+        self.admission.state = state
+        await self.grpc.set_serving(state == State.SERVING)
+
+    async def _watch_pool(self, engine: Engine, period_s: float = 1.0) -> None:
+        """Health follows the encoder pool: NOT_SERVING while no worker is ready (e.g. the only one
+        died and is restarting), SERVING again once one is."""
+        while not self.draining:
+            await asyncio.sleep(period_s)
+            now = State.SERVING if engine.serving else State.NO_WORKER
+            if now != self.admission.state and not self.draining:
+                log.warning("encoder pool %s", "ready again" if now == State.SERVING else "has no ready worker")
+                await self._set_state(now)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until warm; raises the load error if the engine could not be loaded."""
+        await asyncio.wait_for(asyncio.shield(self._warm_task), timeout)
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop taking work, let admitted requests finish (up to the grace period), then stop.
+
+        Only admitted requests are waited for: open health Watch streams end at once (NOT_SERVING
+        is their last message), and whatever else is open gets `STOP_GRACE_S`."""
+        if self.draining:
+            await self._stopped.wait()
+            return
+        self.admission.state = State.DRAINING
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        log.info("draining: health NOT_SERVING, new requests refused, %d in flight, grace %.0f s",
+                 self.admission.admitted, grace)
+        await self.grpc.shut_down_health()
+        deadline = time.monotonic() + grace
+        while self.admission.admitted and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop(grace=STOP_GRACE_S)
+
+    async def stop(self, grace: float | None = 0) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc.stop(grace)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        for task in (self._warm_task, self._watch_task):
+            if task is not None and not task.done():
+                task.cancel()
+        if self._owns_engine and self._loaded is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._loaded.close)
+            self._loaded = self.admission.engine = None
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ServerConfig, engine_config: EngineConfig,
+                on_ready: Callable[[VisionServer], None] | None = None) -> int:
+    """Run until SIGTERM/SIGINT (which drain). Returns the process exit code."""
+    server = VisionServer(config, engine_config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    try:
+        await server.wait_ready()
+    except Exception as exc:  # noqa: BLE001 - a clear message, not a traceback
+        log.error("cannot serve: %s", exc)
+        await server.stop()
+        return 1
+    if on_ready is not None:
+        on_ready(server)
+    await server.wait_stopped()
+    return 0
+
+
+class ServerThread:
+    """A `VisionServer` on its own event loop in a background thread (demo, tests, benchmarks).
+
+        with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=...)) as handle:
+            client = VisionClient(handle.target)
+    """
+
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig | None = None, *,
+                 engine: Engine | None = None, ready_timeout_s: float = 600.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kimi-vision-server", daemon=True)
+        self._thread.start()
+        self._ready_timeout_s = ready_timeout_s
+
+        async def build() -> VisionServer:
+            return VisionServer(config, engine_config, engine=engine)
+
+        self.server: VisionServer = self._run(build())
+        self.port: int = self._run(self.server.start())
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coro` on the server's loop; the future gives its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return f"{self.server.config.host}:{self.port}"
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.server.engine
+
+    def wait_ready(self) -> ServerThread:
+        self._run(self.server.wait_ready(self._ready_timeout_s))
+        return self
+
+    def drain(self, grace_s: float | None = None) -> None:
+        self._run(self.server.drain(grace_s))
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self._run(self.server.stop())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
