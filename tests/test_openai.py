@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from service.engine import GenerationResult
+from service.engine import ChatInput, GenerationResult
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher
-from service.openai.request import ImagePart, parse_chat_request
+from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
+from textcore.chat import CHAT_KWARGS, ChatError
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNsaGhgoDZgorqJo4aOGjpq6Kiho4aOGjpq6Kihg9JQAP1uAbgMp"
@@ -63,6 +64,23 @@ def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, wo
     with pytest.raises(error, match=words):
         parse_chat_request(_body(**extra))
     assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).max_tokens is None
+
+
+def test_chat_template_kwargs_carry_every_option_the_template_takes():
+    """chat_template_kwargs may set any of the template's keyword arguments (vLLM passes them through
+    to the template), the OpenAI parameters the template reads among them; nothing else."""
+    assert set(TEMPLATE) <= set(CHAT_KWARGS)
+    options = {"tool_choice": "none", "response_format": {"type": "json_schema"}, "response_schema": {"type": "object"},
+               "thinking_effort": "low", "add_generation_prompt": True}
+    request = parse_chat_request(_body(reasoning_effort="high", chat_template_kwargs=options))
+    assert request.chat_kwargs == {"reasoning_effort": "high", **options}
+    assert request.chat_input([PNG]).kwargs == request.chat_kwargs
+    for key in ("image_prompts", "secret"):  # image_prompts is the engine's own
+        with pytest.raises(Unsupported, match=rf"chat_template_kwargs \['{key}'\] are not supported; allowed: "
+                                              r"\['add_generation_prompt', 'thinking', "):
+            parse_chat_request(_body(chat_template_kwargs={key: 1}))
+    with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['image_prompts'\]; allowed: "):
+        ChatInput([{"role": "user", "content": "x"}], kwargs={"image_prompts": ["x"]})
 
 
 def test_malformed_messages_name_the_field():

@@ -41,7 +41,7 @@ from service.engine.pool import EncodeError, EncoderPool
 from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, item_key, write_ec
 from service.errors import BadRequest, NotConfigured, TooLarge
 from service.metrics import Metrics
-from textcore.chat import ChatError, render
+from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
 from textcore.generate import generate as run_generation
 from textcore.model import KimiLinearForCausalLM
@@ -56,9 +56,6 @@ from vision.preprocess import ImagePlan, Preprocessed, plan_image, preprocess_im
 
 log = logging.getLogger(__name__)
 
-# Chat-template keyword arguments a request may set.
-CHAT_KWARGS = ("add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort", "thinking_effort",
-               "tool_choice", "response_format", "response_schema")
 Components = Literal["all", "vision"]
 COMPONENTS = ("all", "vision")
 
@@ -86,9 +83,7 @@ class ChatInput:
     images: list[ImageInput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.kwargs) - set(CHAT_KWARGS))
-        if unknown:
-            raise ChatError(f"unknown chat options {unknown}; allowed: {sorted(CHAT_KWARGS)}")
+        check_chat_kwargs(self.kwargs)
         places = [f"messages[{i}].content[{k}]" for i, m in enumerate(self.messages)
                   if isinstance(m.get("content"), list)
                   for k, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image"]

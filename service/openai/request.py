@@ -18,6 +18,7 @@ from typing import Any
 
 from service.engine import ChatInput, ImageInput
 from service.errors import BadRequest, Unsupported
+from textcore.chat import CHAT_KWARGS
 
 # Parameters that change the result and that the engine honours (besides messages and tools).
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
@@ -26,12 +27,10 @@ NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0
                            "parallel_tool_calls": True, "stop": None, "top_logprobs": 0}
 # Accepted and without effect on the reply (who asked, what for).
 INERT = ("user", "metadata", "store", "service_tier")
-# Passed to the chat template as they are.
+# OpenAI's own parameters that are chat-template keyword arguments (CHAT_KWARGS): passed to it as they are.
 TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
-# chat_template_kwargs keys the K3 template takes (textcore.chat.render).
-TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "add_generation_prompt")
 
 
 @dataclass(frozen=True)
@@ -169,9 +168,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
-    refused = sorted(set(extra) - set(TEMPLATE_KWARGS))
+    refused = sorted(set(extra) - set(CHAT_KWARGS))  # every keyword argument the template takes, as vLLM passes them
     if refused:
-        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(TEMPLATE_KWARGS)}")
+        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(CHAT_KWARGS)}")
     chat_kwargs.update(extra)
     return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
                        bool(options.get("include_usage")), chat_kwargs)
