@@ -18,6 +18,7 @@ from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
 from textcore.chat import CHAT_KWARGS, ChatError
+from textcore.generate import SamplingError
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNsaGhgoDZgorqJo4aOGjpq6Kiho4aOGjpq6Kihg9JQAP1uAbgMp"
@@ -55,9 +56,14 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     ({"frequency_penalty": 0.5}, Unsupported, "frequency_penalty=0.5"),
     ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer from 1 to"),
     ({"temperature": "hot"}, BadRequest, "temperature must be a number"),
-    ({"temperature": -0.5}, BadRequest, r"temperature must be in \[0, inf\], got -0.5"),
-    ({"top_p": 0}, BadRequest, r"top_p must be in \(0, 1\], got 0"),
+    ({"temperature": -0.5}, SamplingError, r"^temperature must be >= 0, got -0.5$"),
+    ({"top_p": 0}, SamplingError, r"^top_p must be in \(0, 1\], got 0.0$"),
+    ({"top_p": 5}, SamplingError, r"^top_p must be in \(0, 1\], got 5.0$"),
+    ({"top_k": -1}, SamplingError, r"^top_k must be >= 0, got -1$"),
+    ({"top_k": 1.5}, BadRequest, r"^top_k must be an integer up to 2147483647, got 1.5$"),
+    ({"top_k": 2**31}, BadRequest, r"^top_k must be an integer up to 2147483647, got 2147483648$"),
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
+    ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):

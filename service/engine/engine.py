@@ -418,14 +418,12 @@ class Engine:
 
     def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None) -> SamplingParams:
-        """Checked sampling parameters (`max_new_tokens` None: this engine's default)."""
+        """Sampling parameters within this server's limit (`max_new_tokens` None: this engine's
+        default); `SamplingParams` checks the ranges (a `SamplingError`, bad input)."""
         max_new = max_new_tokens or self.config.default_max_new_tokens
         if max_new > self.config.max_new_tokens_limit:
             limit = self.config.max_new_tokens_limit
             raise BadRequest(f"max_new_tokens {max_new} is above this server's limit {limit}")
-        if not temperature >= 0 or not 0 < top_p <= 1 or top_k < 0:  # (SamplingParams's own ranges)
-            raise BadRequest("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0 "
-                             f"(got {temperature}, {top_p}, {top_k})")
         return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Event | GenerationResult]:
