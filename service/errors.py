@@ -4,7 +4,7 @@ job retries it (a transient row that `--resume` runs again) or records it for go
 
 Domain errors carry their kind as a class attribute `kind` (the `Kind` value as a string), so
 `vision` and `textcore` need nothing from here: `ImageError` is bad input, `ImageTooLargeError`
-too large, `UnsupportedMediaError` unsupported, `ChatError` bad input. Errors the service raises
+too large, `UnsupportedMediaError` unsupported, `ChatError` and `SamplingError` bad input. Errors the service raises
 itself are `ServiceError`s. `classify` is the single place that turns any exception into a kind and
 the message a client sees; an exception with no kind is a bug (INTERNAL to a client, logged with
 its traceback under a reference, and it stops a batch job).

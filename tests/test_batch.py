@@ -343,6 +343,31 @@ def test_embedding_lines(server, tmp_path):
     assert "exactly one image_url part and nothing else" in two["error"]["message"]
 
 
+def test_a_bad_sampling_value_is_the_same_error_row_in_process_and_through_a_server(server, tmp_path):
+    """Sampling ranges are SamplingParams' alone: each bad value is a bad_input row with its message,
+    on either engine; a value in range is answered."""
+    cases = [({"top_p": 5}, "top_p must be in (0, 1], got 5.0"),
+             ({"temperature": -1}, "temperature must be >= 0, got -1.0"),
+             ({"top_k": -1}, "top_k must be >= 0, got -1"),
+             ({"temperature": 0.5, "top_p": 1, "top_k": 0, "seed": 3}, None)]
+    source = tmp_path / "sampling.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"c{i}", "body": {
+        "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, **sampling}}) + "\n"
+        for i, (sampling, _) in enumerate(cases)))
+    local, remote = tmp_path / "local.jsonl", tmp_path / "server.jsonl"
+    _run(JobSpec("caption"), source, local, EngineBackend(server.engine))
+    _server_run(server.target, JobSpec("caption"), source, remote)
+    for output in (local, remote):
+        rows = validated_rows(output)
+        for line, (row, (_, message)) in enumerate(zip(rows, cases, strict=True), 1):
+            if message is None:
+                assert row["response"]["status_code"] == 200, row
+            else:
+                assert (row["error"]["code"], row["error"]["message"]) == ("bad_input", f"line {line}: {message}")
+    assert [comparable(r)["error"] for r in validated_rows(local)] == [
+        comparable(r)["error"] for r in validated_rows(remote)]
+
+
 def test_transient_failures_are_recorded_then_retried_by_resume(server, images, tmp_path):
     """A server that goes away mid-job: its lines become transient rows (503, exit 75), too many in a
     row stop the job (exit 1), and --resume on a healthy server redoes exactly those."""

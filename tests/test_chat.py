@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO_ROOT
 from textcore import tokenizer as tk
-from textcore.chat import ChatError, Segment, render, render_ids, render_text, repair_tool_results
+from textcore.chat import CHAT_KWARGS, ChatError, Segment, render, render_ids, render_text, repair_tool_results
 from textcore.tiny_vocab import write_tiny_tokenizer
 from textcore.tokenizer import Tokenizer
 
@@ -206,6 +207,26 @@ def test_tool_name_resolution_and_errors():
 def test_bad_requests_name_the_field(messages, kwargs, field):
     with pytest.raises(ChatError, match=field):
         render(messages, **kwargs)
+
+
+def test_chat_kwargs_are_what_render_takes():
+    """The one list of chat-template keyword arguments: render's keyword options bar image_prompts
+    (the engine's own), each of them accepted, anything else refused with the allowed list named."""
+    keyword = {name for name, parameter in inspect.signature(render).parameters.items()
+               if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(CHAT_KWARGS) == keyword - {"image_prompts"}
+    assert set(CHAT_KWARGS) == {"add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort",
+                                "thinking_effort", "tool_choice", "response_format", "response_schema"}
+    messages = [{"role": "user", "content": "x"}]
+    values = {"add_generation_prompt": False, "thinking": False, "enable_thinking": False, "reasoning_effort": "low",
+              "thinking_effort": "high", "tool_choice": "none", "response_format": {"type": "json_object"},
+              "response_schema": {"type": "object"}}
+    schema_format = {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}}}
+    for name in CHAT_KWARGS:  # each one changes the prompt (response_schema: of a json_schema format)
+        base = schema_format if name == "response_schema" else {}
+        assert render_text(messages, **base, **{name: values[name]}) != render_text(messages, **base), name
+    with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['model'\]; allowed: \['add_generation_prompt'"):
+        render(messages, model="k3")
 
 
 def test_tool_choice_and_response_format_come_last():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from textcore.config import END_OF_MSG, tiny
-from textcore.generate import SamplingParams, generate, sample
+from textcore.generate import SamplingError, SamplingParams, generate, sample
 from textcore.model import KimiLinearForCausalLM
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -70,15 +70,22 @@ def test_seeded_generation_reproducible(model):
     assert [g.tokens for g in first] == [g.tokens for g in second]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+    ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"top_p": 5.0}, "top_p must be in (0, 1], got 5.0"),
+    ({"top_k": -2}, "top_k must be >= 0, got -2"),
 ])
-def test_bad_parameters_are_named(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_parameters_are_named(kwargs, message):
+    """The one place sampling ranges are checked: a bad-input error naming the field and the value."""
+    with pytest.raises(SamplingError) as caught:
         SamplingParams(**kwargs)
+    assert str(caught.value) == message and caught.value.kind == "bad_input"
+    assert isinstance(caught.value, ValueError)
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=0)  # the edges are in range
+    SamplingParams(temperature=1e6, top_p=1e-9, top_k=2**31 - 1)
 
 
 def test_bad_prompts_are_named(model):

@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from serve_process import ServeProcess
 
 from service.checkpoints.default import default_checkpoint_dir
 from service.rpc.client import VisionClient, user
+from textcore.generate import SamplingError, SamplingParams
 from vision.checkpoint import INDEX_FILE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -203,6 +206,36 @@ def test_error_bodies_and_statuses(http, server):
     while http.post("/v1/chat/completions", json=_chat(data, max_tokens=1)).status_code == 429:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("sampling", "message"), [({"top_p": 5}, "top_p must be in (0, 1], got 5.0"),
+                                                  ({"temperature": -1}, "temperature must be >= 0, got -1.0")])
+def test_every_face_reports_a_bad_sampling_value_alike(http, rpc, server, tmp_path, sampling, message):
+    """SamplingParams is the one place the ranges are checked: the HTTP face (400, the OpenAI error
+    object), the gRPC face (INVALID_ARGUMENT) and a batch job (an error row, bad_input) give its
+    message, word for word."""
+    with pytest.raises(SamplingError) as caught:
+        SamplingParams(**{key: float(value) for key, value in sampling.items()})  # each face reads a float
+    assert str(caught.value) == message
+    request = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, **sampling}
+
+    reply = http.post("/v1/chat/completions", json=request)
+    assert reply.status_code == 400, reply.text
+    error = ErrorResponse.model_validate(reply.json()).error
+    assert (error.message, error.type, error.code) == (message, "invalid_request_error", 400)
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(rpc.generate([user("Say hi.")], max_new_tokens=2, sampling=sampling))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    lines, output = tmp_path / "lines.jsonl", tmp_path / "out.jsonl"
+    lines.write_text(json.dumps({"custom_id": "bad", "body": request}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "service.cli", "batch", "--task", "caption", "--input", str(lines),
+                           "--output", str(output), "--server", server.target], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=240)
+    (row,) = [json.loads(line) for line in output.read_text().splitlines()]
+    assert row["response"]["status_code"] == 400, (done.stderr, row)
+    assert (row["error"]["code"], row["error"]["message"]) == ("bad_input", f"line 1: {message}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ import time
 
 import pytest
 
-from service.engine import GenerationResult
+from service.engine import ChatInput, GenerationResult
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher
-from service.openai.request import ImagePart, parse_chat_request
+from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
+from textcore.chat import CHAT_KWARGS, ChatError
+from textcore.generate import SamplingError
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNsaGhgoDZgorqJo4aOGjpq6Kiho4aOGjpq6Kihg9JQAP1uAbgMp"
@@ -54,15 +56,37 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     ({"frequency_penalty": 0.5}, Unsupported, "frequency_penalty=0.5"),
     ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer from 1 to"),
     ({"temperature": "hot"}, BadRequest, "temperature must be a number"),
-    ({"temperature": -0.5}, BadRequest, r"temperature must be in \[0, inf\], got -0.5"),
-    ({"top_p": 0}, BadRequest, r"top_p must be in \(0, 1\], got 0"),
+    ({"temperature": -0.5}, SamplingError, r"^temperature must be >= 0, got -0.5$"),
+    ({"top_p": 0}, SamplingError, r"^top_p must be in \(0, 1\], got 0.0$"),
+    ({"top_p": 5}, SamplingError, r"^top_p must be in \(0, 1\], got 5.0$"),
+    ({"top_k": -1}, SamplingError, r"^top_k must be >= 0, got -1$"),
+    ({"top_k": 1.5}, BadRequest, r"^top_k must be an integer up to 2147483647, got 1.5$"),
+    ({"top_k": 2**31}, BadRequest, r"^top_k must be an integer up to 2147483647, got 2147483648$"),
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
+    ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
     with pytest.raises(error, match=words):
         parse_chat_request(_body(**extra))
     assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).max_tokens is None
+
+
+def test_chat_template_kwargs_carry_every_option_the_template_takes():
+    """chat_template_kwargs may set any of the template's keyword arguments (vLLM passes them through
+    to the template), the OpenAI parameters the template reads among them; nothing else."""
+    assert set(TEMPLATE) <= set(CHAT_KWARGS)
+    options = {"tool_choice": "none", "response_format": {"type": "json_schema"}, "response_schema": {"type": "object"},
+               "thinking_effort": "low", "add_generation_prompt": True}
+    request = parse_chat_request(_body(reasoning_effort="high", chat_template_kwargs=options))
+    assert request.chat_kwargs == {"reasoning_effort": "high", **options}
+    assert request.chat_input([PNG]).kwargs == request.chat_kwargs
+    for key in ("image_prompts", "secret"):  # image_prompts is the engine's own
+        with pytest.raises(Unsupported, match=rf"chat_template_kwargs \['{key}'\] are not supported; allowed: "
+                                              r"\['add_generation_prompt', 'thinking', "):
+            parse_chat_request(_body(chat_template_kwargs={key: 1}))
+    with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['image_prompts'\]; allowed: "):
+        ChatInput([{"role": "user", "content": "x"}], kwargs={"image_prompts": ["x"]})
 
 
 def test_malformed_messages_name_the_field():

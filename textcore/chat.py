@@ -22,19 +22,23 @@ Rules (the release's `build_chat_segments`, plus `thinking_effort` defaulting to
 - tool results are repaired (see `repair_tool_results`) and numbered per assistant turn;
 - `tool_choice` ("required"/"none") and `response_format` become typed system messages after the
   conversation, right before the generation prompt.
+
+`CHAT_KWARGS` names `render`'s keyword options (read from its signature): the one list of the
+chat-template keyword arguments a request may set, on every face.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from textcore.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Segment, Tokenizer
 
-__all__ = ["ChatError", "Prompt", "Segment", "THINKING_EFFORTS", "render", "render_ids", "render_text",
-           "repair_tool_results"]
+__all__ = ["CHAT_KWARGS", "ChatError", "Prompt", "Segment", "THINKING_EFFORTS", "check_chat_kwargs", "render",
+           "render_ids", "render_text", "repair_tool_results"]
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"
@@ -444,8 +448,7 @@ def render(
     ("none" turns thinking off). `image_prompts[i]` replaces the i-th `image`/`image_url` content
     part, as one special-allowed segment; their numbers must match.
     """
-    if unknown:
-        raise ChatError(f"unknown chat option(s): {', '.join(sorted(unknown))}")
+    check_chat_kwargs(unknown)
     if not isinstance(messages, list | tuple):
         raise ChatError(f"messages must be a list, got {type(messages).__name__}")
     if not isinstance(add_generation_prompt, bool):
@@ -516,6 +519,21 @@ def render(
     if image_prompts is not None and b.images_used != len(image_prompts):
         raise ChatError(f"{len(image_prompts)} image_prompts were given but the messages hold {b.images_used} images")
     return b.segments
+
+
+# The chat-template keyword arguments a request may set: `render`'s keyword options, bar
+# `image_prompts` (the caller's own: the prompts of the images it embedded). Read from the
+# signature, so the list and what `render` takes cannot drift apart.
+CHAT_KWARGS: tuple[str, ...] = tuple(
+    name for name, parameter in inspect.signature(render).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "image_prompts")
+
+
+def check_chat_kwargs(names: Iterable[str]) -> None:
+    """Refuse any name that is not one of `CHAT_KWARGS` (a `ChatError` naming it and the allowed ones)."""
+    unknown = sorted(set(names) - set(CHAT_KWARGS))
+    if unknown:
+        raise ChatError(f"unknown chat option(s) {unknown}; allowed: {list(CHAT_KWARGS)}")
 
 
 def render_text(messages: Sequence[Mapping[str, Any]], tools: Any = None, **kwargs: Any) -> str:

@@ -16,8 +16,16 @@ from textcore.config import END_OF_MSG
 from textcore.model import KimiLinearForCausalLM
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; the message names the field and the value."""
+
+    kind = "bad_input"  # in the service's error taxonomy (service.errors.Kind)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample; the one place the ranges are checked (every face reports its `SamplingError`)."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -27,13 +35,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass

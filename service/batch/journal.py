@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from service.batch.rows import is_ok, is_transient, line_of, shard_file
+from service.files import fsync_dir as _fsync_dir
+from service.files import write_atomic
 
 
 class ResumeRefused(Exception):
@@ -116,7 +118,7 @@ def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool, errors: 
             for stale in path.parent.glob(f".{path.name}.*.tmp"):
                 stale.unlink()
     if not resuming:
-        _write_atomic(fingerprint_path(output), (json.dumps(fingerprint, indent=2, sort_keys=True) + "\n").encode())
+        write_atomic(fingerprint_path(output), (json.dumps(fingerprint, indent=2, sort_keys=True) + "\n").encode())
         output.parent.mkdir(parents=True, exist_ok=True)
     output.touch()  # on a resume: a kill between writing the job file and creating the output leaves none
     return _compact(output, errors)  # a fresh start: this only clears shards a discarded earlier job left
@@ -253,27 +255,6 @@ def finish(output: Path, errors: Path | None = None) -> None:
 
 def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

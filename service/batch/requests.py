@@ -2,8 +2,9 @@
 its `url` a chat-completions body (read by `service.openai.request.parse_chat_request`, the parser
 the HTTP face uses) or an embeddings body (one image, in vLLM's multimodal form: `messages`).
 
-Every problem raises `BadRequest` or `Unsupported` naming the field; the runner makes it that
-line's error row. A line may leave out `method` (POST) and `url` (the job's endpoint).
+Every problem raises an error with a kind naming the field (`BadRequest`, `Unsupported`, a
+sampling value's `SamplingError`); the runner makes it that line's error row. A line may leave out
+`method` (POST) and `url` (the job's endpoint).
 """
 
 from __future__ import annotations

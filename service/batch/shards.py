@@ -1,17 +1,16 @@
 """Embedding output: safetensors shards beside the output JSONL (`OUT.jsonl.embeddings/`).
 
 A safetensors file cannot be appended to, so embeddings are buffered and written a shard at a
-time (temporary name, fsync, rename); only after a shard is on disk are the rows that point to
-it appended to the output. A crash therefore loses at most the buffered rows, which `--resume`
-computes again; a shard written just before a crash without its rows is an orphan that resume
-deletes. Each tensor's key is its line's `custom_id`; each row's body names its shard, key, shape
-and dtype (`service.batch.rows.embedding_body`).
+time (`service.files.atomic_path`: temporary name, fsync, rename, directory fsync); only after a
+shard is on disk are the rows that point to it appended to the output. A crash therefore loses at
+most the buffered rows, which `--resume` computes again; a shard written just before a crash
+without its rows is an orphan that resume deletes. Each tensor's key is its line's `custom_id`;
+each row's body names its shard, key, shape and dtype (`service.batch.rows.embedding_body`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from service.batch.journal import shard_dir
+from service.files import atomic_path
 
 _SHARD_RE = re.compile(r"shard-(\d+)\.safetensors$")
 
@@ -61,20 +61,13 @@ class ShardWriter:
     def flush(self) -> None:
         if not self._tensors:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"shard-{self._next:05d}.safetensors"
         self._next += 1
-        tmp = path.with_name(f".{path.name}.tmp")
         bodies = [r["response"]["body"] for r in self._rows]
         meta = {b["embedding"]["key"]: {"custom_id": r["custom_id"], "grid_thw": b["grid_thw"]}
                 for r, b in zip(self._rows, bodies, strict=True)}
-        save_file(self._tensors, str(tmp), metadata={"kimi_vision_batch": json.dumps(meta, sort_keys=True)})
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(self._tensors, str(tmp), metadata={"kimi_vision_batch": json.dumps(meta, sort_keys=True)})
         relative = path.relative_to(self.root).as_posix()
         for body in bodies:
             body["embedding"]["file"] = relative

@@ -3,7 +3,6 @@ and generations (`engine.py`), with the encoder pool and its worker processes, t
 cache, the model identity and the vLLM encoder-cache export it uses."""
 
 from service.engine.engine import (
-    CHAT_KWARGS,
     ChatInput,
     ChatTokens,
     Encoding,
@@ -15,5 +14,5 @@ from service.engine.engine import (
     SamplingParams,
 )
 
-__all__ = ["CHAT_KWARGS", "ChatInput", "ChatTokens", "Encoding", "Engine", "EngineConfig", "GenerationResult",
-           "ImageEmbedding", "ImageInput", "SamplingParams"]
+__all__ = ["ChatInput", "ChatTokens", "Encoding", "Engine", "EngineConfig", "GenerationResult", "ImageEmbedding",
+           "ImageInput", "SamplingParams"]

@@ -41,7 +41,7 @@ from service.engine.pool import EncodeError, EncoderPool
 from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, item_key, write_ec
 from service.errors import BadRequest, NotConfigured, TooLarge
 from service.metrics import Metrics
-from textcore.chat import ChatError, render
+from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
 from textcore.generate import generate as run_generation
 from textcore.model import KimiLinearForCausalLM
@@ -56,9 +56,6 @@ from vision.preprocess import ImagePlan, Preprocessed, plan_image, preprocess_im
 
 log = logging.getLogger(__name__)
 
-# Chat-template keyword arguments a request may set.
-CHAT_KWARGS = ("add_generation_prompt", "thinking", "enable_thinking", "reasoning_effort", "thinking_effort",
-               "tool_choice", "response_format", "response_schema")
 Components = Literal["all", "vision"]
 T = TypeVar("T")
 COMPONENTS = ("all", "vision")
@@ -87,9 +84,7 @@ class ChatInput:
     images: list[ImageInput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.kwargs) - set(CHAT_KWARGS))
-        if unknown:
-            raise ChatError(f"unknown chat options {unknown}; allowed: {sorted(CHAT_KWARGS)}")
+        check_chat_kwargs(self.kwargs)
         places = [f"messages[{i}].content[{k}]" for i, m in enumerate(self.messages)
                   if isinstance(m.get("content"), list)
                   for k, part in enumerate(m["content"]) if isinstance(part, dict) and part.get("type") == "image"]
@@ -424,14 +419,12 @@ class Engine:
 
     def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None) -> SamplingParams:
-        """Checked sampling parameters (`max_new_tokens` None: this engine's default)."""
+        """Sampling parameters within this server's limit (`max_new_tokens` None: this engine's
+        default); `SamplingParams` checks the ranges (a `SamplingError`, bad input)."""
         max_new = max_new_tokens or self.config.default_max_new_tokens
         if max_new > self.config.max_new_tokens_limit:
             limit = self.config.max_new_tokens_limit
             raise BadRequest(f"max_new_tokens {max_new} is above this server's limit {limit}")
-        if not temperature >= 0 or not 0 < top_p <= 1 or top_k < 0:  # (SamplingParams's own ranges)
-            raise BadRequest("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0 "
-                             f"(got {temperature}, {top_p}, {top_k})")
         return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Event | GenerationResult]:

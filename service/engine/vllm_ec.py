@@ -13,16 +13,16 @@ the vLLM instance was started with). A client's own item `uuid` replaces the has
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
 import torch
 from safetensors.torch import save_file
+
+from service.files import atomic_path
 
 DEFAULT_MODEL_ID = "moonshotai/Kimi-K3"  # what `vllm serve` is given for the release
 HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm (blake3 its default)
@@ -67,17 +67,10 @@ def ec_path(directory: str | Path, mm_hash: str) -> Path:
 
 
 def write_ec(directory: str | Path, mm_hash: str, embedding: torch.Tensor) -> Path:
-    """Write one item's embedding; atomic (temp file + rename), so a reader never sees half a file."""
+    """Write one item's embedding, atomically and durably (`service.files`): a reader never sees half a file."""
     if embedding.dim() != 2:
         raise ValueError(f"an encoder-cache entry is [num_tokens, hidden], got shape {tuple(embedding.shape)}")
     target = ec_path(directory, mm_hash)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ec_cache.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file({TENSOR_NAME: embedding.detach().to("cpu").contiguous()}, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as tmp:
+        save_file({TENSOR_NAME: embedding.detach().to("cpu").contiguous()}, str(tmp))
     return target

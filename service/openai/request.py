@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine import ChatInput, ImageInput
+from service.engine import ChatInput, ImageInput, SamplingParams
 from service.errors import BadRequest, Unsupported
+from textcore.chat import CHAT_KWARGS
 
 # Parameters that change the result and that the engine honours (besides messages and tools).
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
@@ -26,12 +27,10 @@ NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0
                            "parallel_tool_calls": True, "stop": None, "top_logprobs": 0}
 # Accepted and without effect on the reply (who asked, what for).
 INERT = ("user", "metadata", "store", "service_tier")
-# Passed to the chat template as they are.
+# OpenAI's own parameters that are chat-template keyword arguments (CHAT_KWARGS): passed to it as they are.
 TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
-# chat_template_kwargs keys the K3 template takes (textcore.chat.render).
-TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "add_generation_prompt")
 
 
 @dataclass(frozen=True)
@@ -64,24 +63,26 @@ class ChatRequest:
         return ChatInput(self.messages, self.tools, dict(self.chat_kwargs), inputs)
 
 
-def _int(body: Mapping[str, Any], key: str, *, minimum: int, maximum: int = 2**31 - 1) -> int | None:
-    """`maximum`: what the gRPC wire carries (uint32 fields; the seed is a uint64)."""
+def _int(body: Mapping[str, Any], key: str, *, minimum: int | None = None, maximum: int = 2**31 - 1) -> int | None:
+    """An integer the gRPC wire can carry (a batch line may go to a server): `maximum` for its
+    uint32 fields (the seed is a uint64), `minimum` where the wire decides one too (the seed's 0;
+    max_tokens' 1, as its 0 means "unset"). Sampling ranges are `SamplingParams`'."""
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
-        raise BadRequest(f"{key} must be an integer from {minimum} to {maximum}, got {value!r}")
+    if (not isinstance(value, int) or isinstance(value, bool) or value > maximum
+            or (minimum is not None and value < minimum)):
+        bounds = f"up to {maximum}" if minimum is None else f"from {minimum} to {maximum}"
+        raise BadRequest(f"{key} must be an integer {bounds}, got {value!r}")
     return value
 
 
-def _number(body: Mapping[str, Any], key: str, *, low: float, high: float, low_open: bool = False) -> float | None:
+def _number(body: Mapping[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise BadRequest(f"{key} must be a number, got {value!r}")
-    if not (low < value if low_open else low <= value) or not value <= high:
-        raise BadRequest(f"{key} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 
@@ -125,7 +126,7 @@ def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Check a chat-completions body and split it into the template's messages, the image parts
-    and the generation settings. Raises BadRequest / Unsupported naming the field."""
+    and the generation settings. Raises BadRequest / Unsupported / SamplingError naming the field."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -149,16 +150,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1)
-    sampling: dict[str, Any] = {}
-    # vLLM's ranges: any temperature >= 0 (0: greedy), top_p in (0, 1].
-    if (value := _number(body, "temperature", low=0, high=float("inf"))) is not None:
-        sampling["temperature"] = value
-    if (value := _number(body, "top_p", low=0, high=1, low_open=True)) is not None:
-        sampling["top_p"] = value
-    if (value := _int(body, "top_k", minimum=0)) is not None:
+    sampling = {key: value for key in ("temperature", "top_p") if (value := _number(body, key)) is not None}
+    if (value := _int(body, "top_k")) is not None:
         sampling["top_k"] = value
     if (value := _int(body, "seed", minimum=0, maximum=2**64 - 1)) is not None:
         sampling["seed"] = value
+    SamplingParams(**sampling)  # the ranges (a SamplingError), before any image is fetched
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise BadRequest(f"stream must be true or false, got {stream!r}")
@@ -169,9 +166,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
-    refused = sorted(set(extra) - set(TEMPLATE_KWARGS))
+    refused = sorted(set(extra) - set(CHAT_KWARGS))  # every keyword argument the template takes, as vLLM passes them
     if refused:
-        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(TEMPLATE_KWARGS)}")
+        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(CHAT_KWARGS)}")
     chat_kwargs.update(extra)
     return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
                        bool(options.get("include_usage")), chat_kwargs)

@@ -1,0 +1,64 @@
+"""Replacing a file atomically and durably: the one way the service writes a whole file (the vLLM
+encoder-cache export, a batch job's fingerprint, its embedding shards).
+
+The content goes to a temporary file in the target's directory (`.NAME.<pid>-<random>.tmp`), which
+is fsynced and renamed over the target, then the directory is fsynced: a reader sees the old file
+or the whole new one, and after a crash the new one is either all there or not at all. On a
+failure the temporary file is removed. The file gets ordinary permissions, 0o666 masked by the
+process umask as `open()` gives, even when the writer leaves a file of its own (safetensors'
+`save_file` writes its own temporary file, 0600, and renames it into place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_path", "fsync_dir", "write_atomic"]
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (a rename, a new or removed file) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside `target` (its directory made if missing) for the caller to write,
+    as bytes or by a writer that takes a path; on leaving the block without an error it replaces
+    `target` (see the module docstring), on an error it is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, mode)  # the writer may have put a file of its own there
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def write_atomic(target: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `target` with `data`, atomically and durably."""
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)

@@ -1,0 +1,106 @@
+"""service.files: the one atomic, durable file replacement, and the writers that use it (the vLLM
+encoder-cache export, a batch job's fingerprint, its embedding shards), on real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from safetensors.torch import save_file
+
+from service.batch.journal import fingerprint_path, prepare, shard_dir
+from service.batch.shards import ShardWriter
+from service.engine.vllm_ec import write_ec
+from service.files import atomic_path, write_atomic
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_bytes_replace_the_file_with_ordinary_permissions(tmp_path, umask_022):
+    target = tmp_path / "new" / "dir" / "file.json"  # the directory is made
+    write_atomic(target, b"first")
+    assert target.read_bytes() == b"first" and _mode(target) == 0o644
+    inode = os.stat(target).st_ino
+    write_atomic(target, b"second")
+    assert target.read_bytes() == b"second" and os.stat(target).st_ino != inode  # renamed over, not rewritten
+    assert os.listdir(target.parent) == ["file.json"]
+    os.umask(0o077)
+    write_atomic(target, b"private")
+    assert _mode(target) == 0o600  # the umask decides, as for open()
+
+
+def test_a_writer_that_takes_a_path_gets_the_same_permissions(tmp_path, umask_022):
+    """safetensors' save_file leaves a 0600 file of its own; the replacement is 0644 all the same."""
+    loose = tmp_path / "loose.safetensors"
+    save_file({"x": torch.arange(3)}, str(loose))
+    assert _mode(loose) == 0o600  # what the helper has to mend
+    target = tmp_path / "t.safetensors"
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".t.safetensors.") and tmp.name.endswith(".tmp")
+        save_file({"x": torch.arange(3)}, str(tmp))
+    assert _mode(target) == 0o644
+    assert load_file(str(target))["x"].tolist() == [0, 1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["loose.safetensors", "t.safetensors"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "file"
+    write_atomic(target, b"old")
+    with pytest.raises(RuntimeError, match="writer failed"), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("writer failed")
+    with pytest.raises(TypeError):  # the writer's own error, before it wrote anything
+        write_atomic(target, "not bytes")
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["file"]
+
+
+def test_the_file_and_then_its_directory_are_fsynced(tmp_path, monkeypatch):
+    """What each fsync reached (the real fsync still runs): the temporary file before the rename,
+    the directory after it."""
+    synced: list[tuple[str, bool]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        synced.append(("dir" if is_dir else "file", (tmp_path / "f").exists()))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_atomic(tmp_path / "f", b"data")
+    assert synced == [("file", False), ("dir", True)]
+
+
+def test_every_writer_replaces_its_files_this_way(tmp_path, umask_022):
+    """The EC export, the job's fingerprint and the shards: 0644 under umask 022, no temporary left."""
+    ec = write_ec(tmp_path / "ec", "abc123", torch.randn(3, 4))
+    assert _mode(ec) == 0o644 and os.listdir(ec.parent) == [ec.name]
+
+    output = tmp_path / "job" / "out.jsonl"
+    prepare(output, {"task": "embed"}, resume=False)
+    assert _mode(fingerprint_path(output)) == 0o644
+
+    rows: list[dict] = []
+    shards = ShardWriter(output, rows.extend)
+    body = {"embedding": {"key": "a"}, "grid_thw": [1, 2, 2]}
+    shards.add("a", np.ones((1, 4), dtype=np.float32), {"custom_id": "a", "response": {"body": body}})
+    shards.flush()
+    (shard,) = shard_dir(output).iterdir()
+    assert shard.name == "shard-00001.safetensors" and _mode(shard) == 0o644
+    assert rows[0]["response"]["body"]["embedding"]["file"] == "out.jsonl.embeddings/shard-00001.safetensors"
+    assert sorted(p.name for p in output.parent.iterdir()) == ["out.jsonl", "out.jsonl.embeddings",
+                                                               "out.jsonl.job.json"]
