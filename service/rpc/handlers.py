@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -18,11 +18,15 @@ from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from vision.options import DEFAULT_OPTIONS
 
+if TYPE_CHECKING:
+    from service.rpc.server import ServerConfig
+
 
 class Host(Protocol):
     """What the service needs of the server that hosts it (`service.rpc.server.VisionServer`)."""
 
     engine: Engine
+    config: ServerConfig  # its message limit is reported by GetModelInfo
 
     def call(self, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[None]: ...
 
@@ -126,4 +130,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
                                 components=engine.config.components, devices=engine.devices,
                                 image_options=DEFAULT_OPTIONS.key(), model_id=engine.model_id,
                                 served_model_names=engine.served_model_names,
-                                hash_algorithm=engine.config.hash_algorithm)
+                                hash_algorithm=engine.config.hash_algorithm,
+                                max_image_bytes=engine.config.limits.max_bytes,
+                                max_image_pixels=engine.config.limits.max_pixels,
+                                max_message_bytes=self._server.config.max_receive_bytes)
