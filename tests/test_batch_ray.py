@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from large_images import MIB, check_limited_rows, limit_images
 from openai_batch import check_mixed_output, comparable, image_server, validated_rows, write_mixed_input
 from safetensors.numpy import load_file
 
@@ -24,6 +25,7 @@ from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import Engine, EngineConfig
+from vision import Limits
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -109,3 +111,13 @@ def test_ray_mixed_requests_give_the_local_rows(local_ray, engine, tmp_path):
     assert summary.exit_code == 0
     via_ray = check_mixed_output(ray_out)
     assert [comparable(r) for r in via_ray] == [comparable(r) for r in check_mixed_output(local_out)]
+
+
+def test_ray_actors_apply_the_limits(local_ray, tmp_path):
+    """The job's limits reach each actor's engine and image reads (`batch --engine ray --max-image-mb`)."""
+    images = limit_images(tmp_path / "in")
+    output = tmp_path / "ray.jsonl"
+    summary = _on_ray(JobSpec("embed"), images, output, resume=False, concurrency=1,
+                      limits=Limits(max_bytes=40 * MIB, max_pixels=1_000_000))
+    assert (summary.ok, summary.errors) == (1, 1)
+    check_limited_rows(output)

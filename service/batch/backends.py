@@ -3,7 +3,10 @@ running server over gRPC (`ServerBackend`). Both answer the same questions, `gen
 max_new_tokens, sampling)` (a `service.openai.response.Reply`) and `embed(image)`, raise failures
 with a kind of the service's taxonomy (the runner classifies them with `service.errors.classify`),
 name their model the same way (`identity`: the checkpoint fingerprint, so a job may be resumed in
-either mode; `serves(model)` and `model_name`, the first served name, as vLLM names it in replies).
+either mode; `serves(model)` and `model_name`, the first served name, as vLLM names it in replies)
+and say what an image may be (`limits`: the engine's, or those the server reports; the runner reads
+images under them). A request a server could not receive (over its message limit) is refused here,
+too large, before it is sent.
 The Ray engine runs an `EngineBackend` inside each of its actors.
 """
 
@@ -21,11 +24,12 @@ import grpc
 import numpy as np
 
 from service.engine import ChatInput, Engine, EngineConfig, GenerationResult, ImageInput
-from service.errors import KIND_METADATA, BadRequest, RemoteError, ServiceError, Unavailable, Unsupported
+from service.errors import KIND_METADATA, BadRequest, RemoteError, ServiceError, TooLarge, Unavailable, Unsupported
 from service.openai.response import Reply
 from service.rpc._proto import vision_pb2 as pb
-from service.rpc.client import AsyncVisionClient
+from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, _generate_request
 from textcore import parser as p
+from vision import DEFAULT_LIMITS, Limits
 
 # What a chat message may hold that a server's Generate carries (the in-process engine reads the
 # message as it is).
@@ -44,6 +48,7 @@ class Backend(Protocol):
     identity: str  # the checkpoint fingerprint of the model that answers
     description: str  # for logs: "in-process (cpu:2)", "server 127.0.0.1:50051"
     model_name: str  # the model a reply names
+    limits: Limits  # what an image may be (its encoded bytes are checked as it is read)
 
     def serves(self, model: str | None) -> bool: ...
 
@@ -63,13 +68,14 @@ class EngineBackend:
         self.owns = owns
         self.identity = engine.fingerprint
         self.model_name = engine.served_model_names[0]
+        self.limits = engine.config.limits
         self.description = f"in-process ({len(engine.devices)} encoder worker(s): {','.join(engine.devices)})"
 
     @classmethod
-    def load(cls, checkpoint: Path, devices: str, *, trunk: bool) -> EngineBackend:
+    def load(cls, checkpoint: Path, devices: str, *, trunk: bool, limits: Limits = DEFAULT_LIMITS) -> EngineBackend:
         # No embedding cache: a batch job sees each image once.
         config = EngineConfig(checkpoint=checkpoint, devices=devices, components="all" if trunk else "vision",
-                              cache_bytes=0)
+                              cache_bytes=0, limits=limits)
         return cls(Engine.load(config), owns=True)
 
     def serves(self, model: str | None) -> bool:
@@ -105,19 +111,24 @@ def _remote_errors():
 
 
 class ServerBackend:
-    """A running `kimi-vision serve` over gRPC (`AsyncVisionClient`)."""
+    """A running `kimi-vision serve` over gRPC (`AsyncVisionClient`). Its limits are those the
+    server reports (a server older than those fields: the defaults, which it then had)."""
 
     def __init__(self, client: AsyncVisionClient, target: str, info: pb.ModelInfo) -> None:
         self.client = client
         self.identity = info.fingerprint
         self.served_model_names = tuple(info.served_model_names) or (info.model_id,)
         self.model_name = self.served_model_names[0]
+        self.limits = Limits(max_bytes=info.max_image_bytes or DEFAULT_LIMITS.max_bytes,
+                             max_pixels=info.max_image_pixels or DEFAULT_LIMITS.max_pixels)
+        self.max_message_bytes = info.max_message_bytes or DEFAULT_MAX_SEND_BYTES
         self.description = f"server {target}"
 
     @classmethod
     async def connect(cls, target: str, *, timeout_s: float = 600.0) -> ServerBackend:
-        """Connect, check health, and learn the model (`GetModelInfo`)."""
-        client = AsyncVisionClient(target, timeout=timeout_s)
+        """Connect, check health, and learn the model and its limits (`GetModelInfo`)."""
+        # No send limit on the channel: the server's own (`max_message_bytes`) is checked before each send.
+        client = AsyncVisionClient(target, timeout=timeout_s, max_send_bytes=-1)
         try:
             with _remote_errors():
                 status = await client.health(timeout=10)
@@ -135,13 +146,23 @@ class ServerBackend:
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.served_model_names
 
+    def _check_size(self, request: Any) -> None:
+        size = request.ByteSize()
+        if size > self.max_message_bytes:
+            raise TooLarge(f"the request is {size:,} bytes, over the server's message limit of "
+                           f"{self.max_message_bytes:,} bytes (its --max-message-mb), which holds all of a "
+                           "request's images and the rest of the message")
+
     async def embed(self, image: bytes) -> Embedding:
+        request = pb.Image(data=image)
+        self._check_size(pb.EmbedRequest(image=request, dtype="float32"))
         with _remote_errors():
-            header, rows = await self.client.embed(image, dtype="float32")
+            header, rows = await self.client.embed(request, dtype="float32")
         return Embedding(np.ascontiguousarray(rows, dtype=np.float32), tuple(header.grid_thw), header.num_tokens)
 
     async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
         wire = wire_messages(chat)
+        self._check_size(_generate_request(wire, chat.tools, "", max_new_tokens, sampling, chat.kwargs))
         reply = Reply()
         with _remote_errors():
             async for event in self.client.generate(wire, tools=chat.tools, max_new_tokens=max_new_tokens,

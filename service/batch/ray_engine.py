@@ -33,6 +33,7 @@ from service.batch.journal import check, errors_name, finish, prepare
 from service.batch.runner import ItemRunner, Recorder, RunOptions, Summary
 from service.batch.spec import JobSpec
 from service.engine.identity import checkpoint_fingerprint
+from vision import DEFAULT_LIMITS, Limits
 
 BATCH_SIZE = 4  # items per actor call (they run concurrently inside it)
 
@@ -40,12 +41,14 @@ BATCH_SIZE = 4  # items per actor call (they run concurrently inside it)
 class ModelActor:
     """One per GPU (or per CPU slot): an engine on its device, running batches of lines."""
 
-    def __init__(self, checkpoint: str, spec: dict[str, Any], base_dir: str, retries: int, backoff_s: float) -> None:
+    def __init__(self, checkpoint: str, spec: dict[str, Any], base_dir: str, retries: int, backoff_s: float,
+                 limits: dict[str, int]) -> None:
         import torch
 
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES per actor
         self.spec = JobSpec(**spec)
-        backend = EngineBackend.load(Path(checkpoint), device, trunk=self.spec.task != "embed")
+        backend = EngineBackend.load(Path(checkpoint), device, trunk=self.spec.task != "embed",
+                                     limits=Limits(**limits))
         self.runner = ItemRunner(self.spec, backend, RunOptions(retries=retries, backoff_s=backoff_s), Path(base_dir))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
@@ -72,9 +75,11 @@ def _record(row: dict[str, Any]) -> tuple[dict[str, Any], np.ndarray | None]:
 
 def run_ray_job(spec: JobSpec, items: Sequence[Item], output: Path, *, resume: bool, checkpoint: Path,
                 base_dir: Path, errors: Path | None = None, concurrency: int | None = None,
-                address: str | None = None, options: RunOptions | None = None) -> Summary:
+                address: str | None = None, options: RunOptions | None = None,
+                limits: Limits = DEFAULT_LIMITS) -> Summary:
     """Run the job on Ray (connecting to `address`, starting Ray locally, or using the Ray this
-    process already initialised). Raises `ResumeRefused` / `InputError` before any Ray work."""
+    process already initialised); every actor's engine and image reads apply `limits`. Raises
+    `ResumeRefused` / `InputError` before any Ray work."""
     try:
         import ray
         import ray.data
@@ -90,7 +95,7 @@ def run_ray_job(spec: JobSpec, items: Sequence[Item], output: Path, *, resume: b
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
         return _run(ray, spec, items, output, errors, fingerprint, resume=resume, checkpoint=checkpoint,
-                    base_dir=base_dir, concurrency=concurrency, options=options)
+                    base_dir=base_dir, concurrency=concurrency, options=options, limits=limits)
     finally:
         if started_ray:
             ray.shutdown()
@@ -98,7 +103,7 @@ def run_ray_job(spec: JobSpec, items: Sequence[Item], output: Path, *, resume: b
 
 def _run(ray: Any, spec: JobSpec, items: Sequence[Item], output: Path, errors: Path | None,
          fingerprint: dict[str, Any], *, resume: bool, checkpoint: Path, base_dir: Path, concurrency: int | None,
-         options: RunOptions) -> Summary:
+         options: RunOptions, limits: Limits) -> Summary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours is the one progress display
 
@@ -117,7 +122,7 @@ def _run(ray: Any, spec: JobSpec, items: Sequence[Item], output: Path, errors: P
                 compute=ray.data.ActorPoolStrategy(size=actors), num_gpus=1 if gpus else 0, num_cpus=1,
                 fn_constructor_kwargs={
                     "checkpoint": str(checkpoint), "spec": dataclasses.asdict(spec), "base_dir": str(base_dir),
-                    "retries": options.retries, "backoff_s": options.backoff_s,
+                    "retries": options.retries, "backoff_s": options.backoff_s, "limits": dataclasses.asdict(limits),
                 })
             for row in dataset.iter_rows():
                 recorder.record(*_record(row))

@@ -4,7 +4,8 @@ when every line has its row, puts the output in input order (`journal.finish`).
 
 Every line takes one path: its request is checked (`requests.py`; a malformed line, an unsupported
 parameter or another model is that line's error row), its images are fetched (`ImageFetcher`:
-data: URLs, local files, http(s) with --allow-remote-images), then the backend generates or embeds.
+data: URLs, local files, http(s) with --allow-remote-images; each under the backend's per-image byte
+limit, so an image the model would refuse is never read whole), then the backend generates or embeds.
 Failures are classified by the service's one taxonomy (`service.errors`): a kind that is not
 retried (bad image, bad request, too large) is recorded as an error row and the job goes on; a
 retried one (overloaded, unavailable, internal) is retried a few times with backoff, then recorded
@@ -39,7 +40,6 @@ from service.batch.spec import EMBED_DTYPE, JobSpec
 from service.errors import Failure, NotFound, classify
 from service.openai.images import ImageFetcher
 from service.openai.response import completion, new_id
-from vision.decode import DEFAULT_LIMITS
 
 
 def _ms(seconds: float) -> float:
@@ -180,7 +180,7 @@ class ItemRunner:
         self.backend = backend
         self.options = options
         self.stopping = stopping
-        self.fetcher = ImageFetcher(DEFAULT_LIMITS.max_bytes, allow_remote=spec.allow_remote_images,
+        self.fetcher = ImageFetcher(backend.limits.max_bytes, allow_remote=spec.allow_remote_images,
                                     base_dir=base_dir)
 
     async def process(self, item: Item) -> tuple[dict[str, Any], np.ndarray | None]:

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from service.cli.common import add_model_arguments, checkpoint_dir
+from service.cli.common import add_image_limit_arguments, add_model_arguments, checkpoint_dir, image_limits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write failed lines here instead of OUT.jsonl (as OpenAI's Batch API splits them)")
     parser.add_argument("--server", metavar="HOST:PORT", help="use a running kimi-vision server")
     add_model_arguments(parser)
+    add_image_limit_arguments(parser, note="; not with --server, whose own limits apply (GetModelInfo reports them)")
     parser.add_argument("--concurrency", type=int, metavar="N",
                         help="inputs in flight (default: 2 per encoder worker; 8 with --server; "
                              "with --engine ray: encoder actors when there is no GPU)")
@@ -69,6 +70,9 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--server and --engine ray exclude each other (Ray runs the model in its own actors)"
     if args.server and (args.checkpoint or args.devices != "auto"):
         return "--checkpoint and --devices do not apply with --server (the server has its own)"
+    if args.server and (args.max_image_mb is not None or args.max_image_megapixels is not None):
+        return ("--max-image-mb and --max-image-megapixels do not apply with --server (the job uses the limits "
+                "the server reports, those of its own serve flags)")
     if args.engine == "ray" and args.devices != "auto":
         return "--devices does not apply with --engine ray (one model actor per GPU, or --concurrency CPU actors)"
     if args.ray_address and args.engine != "ray":
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
             summary = run_ray_job(spec, items, output, resume=args.resume, checkpoint=checkpoint_dir(args.checkpoint),
                                   base_dir=base_dir(args.input), errors=errors, concurrency=args.concurrency,
-                                  address=args.ray_address, options=options)
+                                  address=args.ray_address, options=options, limits=image_limits(args))
         else:
             summary = asyncio.run(_run_local(args, spec, items, output, errors, options))
     except ResumeRefused as e:
@@ -159,7 +163,8 @@ async def _run_local(args: argparse.Namespace, spec, items, output, errors, opti
         check(output, fingerprint, resume=args.resume, errors=errors)
         try:
             backend = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: EngineBackend.load(checkpoint, args.devices, trunk=spec.task != "embed"))
+                None, lambda: EngineBackend.load(checkpoint, args.devices, trunk=spec.task != "embed",
+                                                 limits=image_limits(args)))
         except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
             raise _CannotRun(f"cannot load the model from {checkpoint}: {e}") from None
         options.concurrency = args.concurrency or 2 * len(backend.engine.devices)

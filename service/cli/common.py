@@ -1,10 +1,17 @@
-"""What several commands share: the model flags, and resolving the checkpoint (the only place the
-embedded default is chosen)."""
+"""What several commands share: the model flags, the per-image limit flags (`vision.Limits`, for every
+command that reads images), and resolving the checkpoint (the only place the embedded default is
+chosen)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vision import Limits
+
+_MEGAPIXEL = 1_000_000
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, devices: bool = True) -> None:
@@ -21,6 +28,46 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the checkpoint's _name_or_path, else moonshotai/Kimi-K3)")
     parser.add_argument("--mm-hasher-algorithm", choices=("blake3", "sha256", "sha512"), default="blake3",
                         help="vLLM's --mm-hasher-algorithm (default blake3, as vLLM's)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_image_limit_arguments(parser: argparse.ArgumentParser, *, bounded_by: str | None = None,
+                              note: str = "") -> None:
+    """`--max-image-mb` and `--max-image-megapixels` (unset: `vision.DEFAULT_LIMITS`; < 1 is a usage
+    error, exit 2). `bounded_by`: the flag whose value the default byte limit never exceeds (see
+    `image_limits`); `note` ends both help texts."""
+    from vision import DEFAULT_LIMITS
+
+    default_mb = f"{DEFAULT_LIMITS.max_bytes >> 20}" + (f", or {bounded_by} if smaller" if bounded_by else "")
+    parser.add_argument("--max-image-mb", type=_positive_int, metavar="MB",
+                        help=f"largest encoded image, in MiB (default {default_mb}){note}")
+    parser.add_argument("--max-image-megapixels", type=_positive_int, metavar="MP",
+                        help="largest decoded image, width * height in millions of pixels (default "
+                             f"{DEFAULT_LIMITS.max_pixels // _MEGAPIXEL}){note}")
+
+
+def image_limits(args: argparse.Namespace, *, max_mb: int | None = None) -> Limits:
+    """The per-image `vision.Limits` the flags give. `max_mb`: the value of `bounded_by` (serve's
+    message limit, which every image travels in), which the default byte limit is lowered to."""
+    from dataclasses import replace
+
+    from vision import DEFAULT_LIMITS as default
+
+    if args.max_image_mb is not None:
+        max_bytes = args.max_image_mb << 20
+    else:
+        max_bytes = default.max_bytes if max_mb is None else min(default.max_bytes, max_mb << 20)
+    mp = args.max_image_megapixels
+    return replace(default, max_bytes=max_bytes, max_pixels=default.max_pixels if mp is None else mp * _MEGAPIXEL)
 
 
 def checkpoint_dir(given: str | None) -> Path:

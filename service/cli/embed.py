@@ -19,7 +19,13 @@ import json
 import sys
 import time
 
-from service.cli.common import add_model_arguments, add_vllm_arguments, checkpoint_dir
+from service.cli.common import (
+    add_image_limit_arguments,
+    add_model_arguments,
+    add_vllm_arguments,
+    checkpoint_dir,
+    image_limits,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", metavar="SPEC", help="auto (default), cpu:N or cuda:0,1,...")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="tensor dtype (default: float32; bfloat16 with --format vllm-ec)")
+    add_image_limit_arguments(parser)
     add_vllm_arguments(parser)
 
 
@@ -97,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         engine = Engine.load(EngineConfig(checkpoint=checkpoint_dir(args.checkpoint), devices=devices,
-                                          components="vision", cache_bytes=0, model_id=args.vllm_model_id,
-                                          hash_algorithm=args.mm_hasher_algorithm))
+                                          components="vision", cache_bytes=0, limits=image_limits(args),
+                                          model_id=args.vllm_model_id, hash_algorithm=args.mm_hasher_algorithm))
     except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

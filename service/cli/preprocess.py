@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+from service.cli.common import add_image_limit_arguments, image_limits
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="image files")
@@ -21,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply the EXIF orientation first (the reference does not)")
     parser.add_argument("--resize", choices=("exact", "fast"), default="exact",
                         help="exact: Pillow BICUBIC as the reference; fast: OpenCV, not bit-exact")
+    add_image_limit_arguments(parser)
 
 
 def _row(path: str, out, seconds: float) -> dict:
@@ -77,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
     from PIL import Image
 
     Image.init()  # register Pillow's plugins now, so the first file's time is its own
+    limits = image_limits(args)
     rows: list[dict] = []
     for path in args.files:
         try:
             with open(path, "rb") as f:
                 data = f.read()
             start = time.perf_counter()
-            out = preprocess_image(data, options)
+            out = preprocess_image(data, options, limits)
             row = _row(path, out, time.perf_counter() - start)
         except (ImageError, OSError) as e:
             message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)

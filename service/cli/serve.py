@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.cli.common import add_model_arguments, add_vllm_arguments, checkpoint_dir
+from service.cli.common import (
+    add_image_limit_arguments,
+    add_model_arguments,
+    add_vllm_arguments,
+    checkpoint_dir,
+    image_limits,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
     parser.add_argument("--max-message-mb", type=int, default=64, metavar="MB",
                         help="largest request message, all its images together (default 64)")
-    parser.add_argument("--max-image-mb", type=int, default=32, metavar="MB",
-                        help="largest encoded image (default 32)")
+    add_image_limit_arguments(parser, bounded_by="--max-message-mb")
     parser.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (default 16)")
     parser.add_argument("--cache-mb", type=int, default=1024, metavar="MB",
                         help="embedding cache budget (default 1024; 0 disables)")
@@ -63,10 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    for name in ("max_concurrency", "max_message_mb", "max_image_mb", "max_images"):
+    for name in ("max_concurrency", "max_message_mb", "max_images"):
         value = getattr(args, name)
         if value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    if args.max_image_mb is not None and args.max_image_mb > args.max_message_mb:
+        return (f"--max-image-mb {args.max_image_mb} is larger than --max-message-mb {args.max_message_mb}: every "
+                "image travels inside one request message; raise --max-message-mb or lower --max-image-mb")
     if args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535:
         return "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
     for name in ("http_port", "health_port", "metrics_port"):
@@ -118,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
     from service.logs import ServerLog
     from service.rpc.server import GrpcConfig
     from service.server import ServerConfig, VisionServer, serve
-    from vision import Limits
 
     if args.otlp_endpoint:
         try:
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         )
         engine_config = EngineConfig(
             checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
-            limits=Limits(max_bytes=args.max_image_mb << 20), max_images=args.max_images,
+            limits=image_limits(args, max_mb=args.max_message_mb), max_images=args.max_images,
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
         )

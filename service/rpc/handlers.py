@@ -22,8 +22,9 @@ Call = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[Engine]]
 
 
 class VisionService(pb_grpc.VisionServiceServicer):
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Call, max_message_bytes: int) -> None:
         self._call = call
+        self._max_message_bytes = max_message_bytes  # the face's receive limit (GetModelInfo reports it)
 
     async def Preprocess(self, request: pb.PreprocessRequest,
                          context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
@@ -110,4 +111,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
                                 components=engine.config.components, devices=engine.devices,
                                 image_options=DEFAULT_OPTIONS.key(), model_id=engine.model_id,
                                 served_model_names=engine.served_model_names,
-                                hash_algorithm=engine.config.hash_algorithm)
+                                hash_algorithm=engine.config.hash_algorithm,
+                                max_image_bytes=engine.config.limits.max_bytes,
+                                max_image_pixels=engine.config.limits.max_pixels,
+                                max_message_bytes=self._max_message_bytes)

@@ -68,7 +68,7 @@ class GrpcFace:
             # request in about half the time on loopback).
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
         ])
-        pb_grpc.add_VisionServiceServicer_to_server(VisionService(self.call), server)
+        pb_grpc.add_VisionServiceServicer_to_server(VisionService(self.call, cfg.max_receive_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)

@@ -365,7 +365,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("fingerprint", "hidden_size", "components", "devices", "image_options", "model_id", "served_model_names", "hash_algorithm")
+    __slots__ = ("fingerprint", "hidden_size", "components", "devices", "image_options", "model_id", "served_model_names", "hash_algorithm", "max_image_bytes", "max_image_pixels", "max_message_bytes")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,9 @@ class ModelInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     hidden_size: int
     components: str
@@ -382,4 +385,7 @@ class ModelInfo(_message.Message):
     model_id: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     hash_algorithm: str
-    def __init__(self, fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., components: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., image_options: _Optional[str] = ..., model_id: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., hash_algorithm: _Optional[str] = ...) -> None: ...
+    max_image_bytes: int
+    max_image_pixels: int
+    max_message_bytes: int
+    def __init__(self, fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., components: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., image_options: _Optional[str] = ..., model_id: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., hash_algorithm: _Optional[str] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...

@@ -105,7 +105,7 @@ class VisionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """What this server runs: the model's identity, the embedding width, the encoder workers.
+        """What this server runs: the model's identity, the embedding width, the encoder workers, its limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
