@@ -27,7 +27,7 @@ from service.engine import ChatInput, Engine, EngineConfig, GenerationResult, Im
 from service.errors import KIND_METADATA, BadRequest, RemoteError, ServiceError, TooLarge, Unavailable, Unsupported
 from service.openai.response import Reply
 from service.rpc._proto import vision_pb2 as pb
-from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, _generate_request
+from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, generate_request
 from textcore import parser as p
 from vision import DEFAULT_LIMITS, Limits
 
@@ -162,7 +162,7 @@ class ServerBackend:
 
     async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
         wire = wire_messages(chat)
-        self._check_size(_generate_request(wire, chat.tools, "", max_new_tokens, sampling, chat.kwargs))
+        self._check_size(generate_request(wire, chat.tools, "", max_new_tokens, sampling, chat.kwargs))
         reply = Reply()
         with _remote_errors():
             async for event in self.client.generate(wire, tools=chat.tools, max_new_tokens=max_new_tokens,

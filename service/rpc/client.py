@@ -156,7 +156,8 @@ def _count_tokens_request(data, messages, tools, thinking_effort, chat_kwargs) -
     return pb.CountTokensRequest(image=_as_image(data))
 
 
-def _generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs) -> pb.GenerateRequest:
+def generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs) -> pb.GenerateRequest:
+    """The GenerateRequest `generate` sends (a caller that checks its size first builds the same)."""
     return pb.GenerateRequest(messages=messages, tools_json=_tools_json(tools), thinking_effort=thinking_effort,
                               max_new_tokens=max_new_tokens, chat_kwargs_json=_kwargs_json(chat_kwargs),
                               sampling=pb.Sampling(**(sampling or {})))
@@ -222,7 +223,7 @@ class VisionClient:
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
                  chat_kwargs: dict | None = None, timeout: float | None = None) -> Iterator[pb.GenerateEvent]:
         """Stream of events; the last one carries `finish`. `sampling`: temperature, top_p, top_k, seed."""
-        req = _generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
+        req = generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
         return self.stub.Generate(req, timeout=self._t(timeout))
 
     def encode(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
@@ -284,7 +285,7 @@ class AsyncVisionClient:
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
                  chat_kwargs: dict | None = None, timeout: float | None = None) -> AsyncIterator[pb.GenerateEvent]:
-        req = _generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
+        req = generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
         return self.stub.Generate(req, timeout=self._t(timeout))
 
     async def encode(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
