@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+from hostile_corpus import hostile_corpus
 from PIL import Image, features
 
 from vision import (
@@ -109,6 +110,23 @@ def test_bad_input_gets_the_right_error(name: str, preprocess) -> None:
     else:  # everything decided from the header is refused by the header-only count too
         with pytest.raises(error, match=words):
             count_tokens(data)
+
+
+def _outcome(preprocess, data) -> tuple[str, str | bytes]:
+    try:
+        return "ok", preprocess(data).image.tobytes()
+    except ImageError as e:
+        return type(e).__name__, str(e)
+
+
+def test_a_memoryview_reads_as_its_bytes() -> None:
+    """An encoder worker gets a large payload as a memoryview of shared memory, which is read in
+    place (never copied whole): every bad input and every hostile case gets the same answer from
+    it as from the bytes, the same error or the same pixels."""
+    cases = [(name, data) for name, (data, _, _) in BAD_INPUTS.items()] + [(c.name, c.data) for c in hostile_corpus()]
+    for name, data in cases:
+        view = memoryview(np.frombuffer(data, np.uint8).copy())  # writable, as a shared-memory tensor's is
+        assert _outcome(preprocess_image, view) == _outcome(preprocess_image, data), name
 
 
 def test_video_refusal_names_why() -> None:
