@@ -2,9 +2,10 @@
 counts, prompts, encodings and generations. Transport-free and async-first: the gRPC server, every
 batch engine and `kimi-vision embed` call it; none of them touches the pool, the tower or the trunk.
 
-Every image takes the same path (`embed`): its header is read here (`vision.plan_image`: sizes,
-token count, prompt, limits), its embedding looked up in the cache by content hash, and on a miss
-its encoded bytes go to one encoder worker, which decodes, preprocesses and encodes it.
+Every image takes the same path (`embed`): its header is read here, once (`vision.plan_image`:
+sizes, token count, prompt, limits), its embedding looked up in the cache by content hash, and on a
+miss its encoded bytes and that plan go to one encoder worker, which decodes, preprocesses and
+encodes it.
 
 Where work runs: header reads, hashing and Preprocess's pixels on `cpu_executor` threads (Pillow
 and numpy release the GIL); decoding and the tower in the pool's worker processes; everything that
@@ -288,8 +289,9 @@ class Engine:
         """One small image through preprocessing, every encoder worker and the trunk, so the first
         real request pays no first-call costs (and a broken setup fails before it serves). Blocking."""
         probe = ImageInput(_probe_png())
-        plan = self._preprocess(probe)
-        futures = [self.pool.submit(probe.data, probe.options, plan.num_patches) for _ in self.pool.devices]
+        self._preprocess(probe)
+        plan = self._plan(probe)
+        futures = [self.pool.submit(probe.data, probe.options, plan) for _ in self.pool.devices]
         rows = [future.result() for future in futures][0]
         if self.model is not None:
             ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
@@ -503,7 +505,7 @@ class Engine:
         """Queue on the pool (off the event loop: a large image's bytes are copied into shared
         memory). The pool future joins `queued`; if the caller gave up meanwhile (`abandoned`), it
         is cancelled at once."""
-        future = self.pool.submit(image.data, image.options, plan.num_patches)
+        future = self.pool.submit(image.data, image.options, plan)
         queued.append(future)  # before the check: a caller giving up now finds it in `queued`
         if abandoned.is_set():
             future.cancel()
