@@ -4,8 +4,8 @@ The worker runs the whole vision path for each request it is sent (`ImageEncoder
 compositing and padding (`vision.preprocess`), the patches (normalised float32 `pixel_values`), and
 the tower and projector of `vision.VisionEncoder`. The parent (`service.engine.pool`) has only read
 the image's header, and sends the plan it made from it (`vision.ImagePlan`) with the bytes: the
-worker sizes its buffers by that plan and opens the header once more, only to decode the pixels
-(`preprocess_*(plan=)` checks the header agrees with the plan; it never plans again). Messages:
+worker sizes its buffers by that plan and opens the header once, only to decode the pixels
+(`preprocess_*(plan=)` checks that the header agrees with the plan). Messages:
 
     parent -> worker  (request id, image bytes, ImageOptions, ImagePlan) | None to stop
     worker -> parent  ("ready", pid) | ("failed", why)                 once, at start
