@@ -79,13 +79,13 @@ def main() -> int:
         checkpoint = write_vision_checkpoint(Path(tmp) / "vision", device, args.preset)
         for patchify in ("device", "host"):
             with EncoderPool(checkpoint, [str(device)], patchify=patchify) as pool:
-                rows[patchify] = pool.submit(data, options, plan.num_patches).result()  # warm-up
+                rows[patchify] = pool.submit(data, options, plan).result()  # warm-up
                 pids = [w["pid"] for w in pool.health()["workers"]]
                 worker, parent = cpu_seconds(pids), time.process_time()
                 rates = []
                 for _ in range(args.repeats):
                     start = time.perf_counter()
-                    futures = [pool.submit(data, options, plan.num_patches) for _ in range(args.images)]
+                    futures = [pool.submit(data, options, plan) for _ in range(args.images)]
                     for future in futures:
                         future.result()
                     rates.append(args.images / (time.perf_counter() - start))

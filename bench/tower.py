@@ -101,10 +101,11 @@ def main() -> None:
         if args.no_pool:
             return
         from service.engine.pool import EncoderPool
-        from vision import DEFAULT_OPTIONS, preprocess_image
+        from vision import DEFAULT_OPTIONS, plan_image, preprocess_image
 
         batch = [random_png(448, 448, s) for s in range(8)]
         patches = 8 * 32 * 32
+        plans = [plan_image(data) for data in batch]
         s = median_seconds(lambda: [enc.encode([preprocess_image(data)]) for data in batch], args.repeats)
         print(f"{'8 x 32x32 in-process':<30} {patches:>8} {s * 1e3:>9.1f} {patches / s:>11,.0f}")
         print(f"{'':<30} {'':>8} {'':>9} {'':>11} {'':>8} {'worker CPU ms/image':>20}")
@@ -113,7 +114,8 @@ def main() -> None:
             for patchify in ("host", "device"):
                 with EncoderPool(ckpt, workers=workers, threads_per_worker=threads, patchify=patchify) as pool:
                     def run(pool=pool) -> None:
-                        futures = [pool.submit(data, DEFAULT_OPTIONS, 32 * 32) for data in batch]
+                        futures = [pool.submit(data, DEFAULT_OPTIONS, plan)
+                                   for data, plan in zip(batch, plans, strict=True)]
                         for future in futures:
                             future.result()
 

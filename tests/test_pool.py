@@ -52,8 +52,8 @@ ITEMS = [png(h, w, i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2,
 
 
 def submit(pool: EncoderPool, data: bytes, options: ImageOptions = DEFAULT_OPTIONS):
-    """What the engine does: read the header, then queue the bytes weighed by their patches."""
-    return pool.submit(data, options, plan_image(data, options).num_patches)
+    """What the engine does: read the header, then queue the bytes with their plan."""
+    return pool.submit(data, options, plan_image(data, options))
 
 
 def encode(pool: EncoderPool, datas: list[bytes]) -> list[torch.Tensor]:
@@ -288,7 +288,7 @@ def test_workers_check_the_pool_limits_too(ckpt):
     data = ITEMS[1]  # 448 x 448
     with EncoderPool(ckpt, workers=1, threads_per_worker=1, limits=Limits(max_pixels=1000)) as pool:
         with pytest.raises(ImageTooLargeError, match="pixel limit"):
-            pool.submit(data, DEFAULT_OPTIONS, plan_image(data).num_patches).result(60)
+            pool.submit(data, DEFAULT_OPTIONS, plan_image(data)).result(60)
 
 
 def test_large_payloads_through_shared_memory_equal_pickled_ones(ckpt, reference):

@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+from hostile_corpus import hostile_corpus
 from PIL import Image, features
 
 from vision import (
@@ -22,6 +23,7 @@ from vision import (
     Limits,
     UnsupportedMediaError,
     count_tokens,
+    plan_image,
     preprocess_image,
 )
 from vision.decode import accepted_formats
@@ -109,6 +111,40 @@ def test_bad_input_gets_the_right_error(name: str, preprocess) -> None:
     else:  # everything decided from the header is refused by the header-only count too
         with pytest.raises(error, match=words):
             count_tokens(data)
+
+
+def _outcome(preprocess, data) -> tuple[str, str | bytes]:
+    try:
+        return "ok", preprocess(data).image.tobytes()
+    except ImageError as e:
+        return type(e).__name__, str(e)
+
+
+def test_a_memoryview_reads_as_its_bytes() -> None:
+    """An encoder worker gets a large payload as a memoryview of shared memory, which is read in
+    place (never copied whole): every bad input and every hostile case gets the same answer from
+    it as from the bytes, the same error or the same pixels."""
+    cases = [(name, data) for name, (data, _, _) in BAD_INPUTS.items()] + [(c.name, c.data) for c in hostile_corpus()]
+    for name, data in cases:
+        view = memoryview(np.frombuffer(data, np.uint8).copy())  # writable, as a shared-memory tensor's is
+        assert _outcome(preprocess_image, view) == _outcome(preprocess_image, data), name
+
+
+@pytest.mark.parametrize("preprocess", [preprocess_image, preprocess_patches], ids=lambda f: f.__name__)
+def test_a_plan_of_other_bytes_or_options_is_the_callers_bug(preprocess) -> None:
+    """`plan=` is checked against the header: another image's plan (another size, mode or options)
+    is a ValueError that is not an ImageError (the input is fine), never a result built by it."""
+    rgb = _encode(Image.new("RGB", (56, 56), (1, 2, 3)), "PNG")
+    assert preprocess(rgb, plan=plan_image(rgb))  # its own plan
+    mismatches = [
+        (rgb, ImageOptions(), plan_image(_encode(Image.new("RGB", (84, 28)), "PNG"))),
+        (rgb, ImageOptions(max_tokens=1), plan_image(rgb)),
+        (_encode(Image.new("RGBA", (56, 56)), "PNG"), ImageOptions(), plan_image(rgb)),
+    ]
+    for data, options, plan in mismatches:
+        with pytest.raises(ValueError, match="is not this image's") as info:
+            preprocess(data, options, plan=plan)
+        assert not isinstance(info.value, ImageError)
 
 
 def test_video_refusal_names_why() -> None:

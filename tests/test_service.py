@@ -93,7 +93,7 @@ def server(checkpoint, export_dir, metrics_port):
 
 def _pool_rows(engine: Engine, data: bytes) -> torch.Tensor:
     """One image's rows straight from the engine's pool (the reference the RPCs must match)."""
-    return engine.pool.submit(data, vision.DEFAULT_OPTIONS, vision.plan_image(data).num_patches).result(60)
+    return engine.pool.submit(data, vision.DEFAULT_OPTIONS, vision.plan_image(data)).result(60)
 
 
 @pytest.fixture(scope="module")

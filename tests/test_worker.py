@@ -43,19 +43,22 @@ def test_staging_buffer_is_reused_across_images_of_different_sizes(encoder):
               (png(560, 420, 4), DEFAULT_OPTIONS)]
     largest = plan_image(images[0][0]).image_bytes
     for i, (data, options) in enumerate(images):
-        rows = device.encode(data, options)
+        plan = plan_image(data, options)
+        rows = device.encode(data, options, plan)
         want = encoder.encode([preprocess_image(data, options)])[0]
         assert torch.equal(rows, want), i
-        assert torch.equal(host.encode(data, options), want), i
+        assert torch.equal(host.encode(data, options, plan), want), i
         assert device.staging.capacity == largest  # grown once, for the first image; never again
         if i == 0:
             address = device.staging.buffer(1).ctypes.data
         assert device.staging.buffer(1).ctypes.data == address
     # Bad input between good images: the image's own error, and the buffers serve on.
+    truncated = photo[: len(photo) // 2]
     with pytest.raises(ImageDecodeError):
-        device.launch(photo[: len(photo) // 2], DEFAULT_OPTIONS)
+        device.launch(truncated, DEFAULT_OPTIONS, plan_image(truncated))
     small = images[1][0]
-    assert torch.equal(device.encode(small, DEFAULT_OPTIONS), encoder.encode([preprocess_image(small)])[0])
+    assert torch.equal(device.encode(small, DEFAULT_OPTIONS, plan_image(small)),
+                       encoder.encode([preprocess_image(small)])[0])
 
 
 def test_upload_takes_only_the_image_built_in_its_buffer(encoder):

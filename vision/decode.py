@@ -5,6 +5,11 @@
 warnings silenced (they are about the input, and the input's problems become `ImageError`s).
 Pillow's own decompression-bomb limit is not what protects the caller: `Limits` is checked
 first, from the header, and is stricter by default.
+
+The bytes may be `bytes` or a memoryview (an encoder worker's shared-memory payload), and are
+never copied whole here: Pillow reads a `bytes` object through `io.BytesIO`, which shares its
+memory, and any other buffer through `_ViewFile`, a read-only file over the view (`io.BytesIO`
+would copy it). Pillow itself still reads WebP and AVIF files whole.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
 from PIL import Image
 
@@ -48,6 +54,58 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+Buffer = bytes | bytearray | memoryview  # what `open_header` takes
+
+
+# --- reading without a copy ------------------------------------------------------------------
+class _ViewFile(io.BufferedIOBase):
+    """A read-only, seekable file over a memoryview: each read copies only what it returns."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.closed:
+            raise ValueError("read of a closed file")
+        start = self._pos
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        self._pos = max(start, end)
+        return bytes(self._view[start:end])
+
+    read1 = read
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if self.closed:
+            raise ValueError("seek on a closed file")
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getvalue(self) -> memoryview:
+        """The whole file, uncopied (Pillow's libtiff decoder takes it so instead of `read()`)."""
+        return self._view
+
+    def close(self) -> None:
+        self._view = memoryview(b"")  # a Pillow image left open must not pin the caller's memory
+        super().close()
+
+
+def _file(data: bytes | memoryview) -> IO[bytes]:
+    return io.BytesIO(data) if isinstance(data, bytes) else _ViewFile(data)
 
 
 # --- warnings --------------------------------------------------------------------------------
@@ -82,9 +140,9 @@ def pillow_quiet() -> Iterator[None]:
 _ISO_BMFF_IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
 
 
-def sniff_non_image(data: bytes) -> str | None:
+def sniff_non_image(data: bytes | memoryview) -> str | None:
     """A short description if `data` is recognisably video, audio or a document, else None."""
-    head = data[:64]
+    head = bytes(data[:64])
     if head[4:8] == b"ftyp":
         brand = head[8:12]
         if brand in _ISO_BMFF_IMAGE_BRANDS:
@@ -135,10 +193,11 @@ _SIGNATURES = (
 )
 
 
-def _signature(data: bytes) -> str | None:
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+def _signature(data: bytes | memoryview) -> str | None:
+    head = bytes(data[:16])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "WEBP"
-    return next((name for magic, name in _SIGNATURES if data.startswith(magic)), None)
+    return next((name for magic, name in _SIGNATURES if head.startswith(magic)), None)
 
 
 def accepted_formats() -> list[str]:
@@ -148,20 +207,20 @@ def accepted_formats() -> list[str]:
     return [name for name in ACCEPTED_FORMATS if name in Image.OPEN]
 
 
-def _refused_format(data: bytes) -> str | None:
+def _refused_format(data: bytes | memoryview) -> str | None:
     """The name of the format Pillow reads `data` as, among those it knows but we refuse."""
     refused = [name for name in Image.OPEN if name not in ACCEPTED_FORMATS]
     try:
-        with Image.open(io.BytesIO(data), formats=refused) as image:  # the header only, never decoded
+        with Image.open(_file(data), formats=refused) as image:  # the header only, never decoded
             return image.format
     except Exception:  # noqa: BLE001 - not one of them either (or too broken to tell)
         return None
 
 
-def _open(data: bytes, limits: Limits) -> Image.Image:
+def _open(data: bytes | memoryview, limits: Limits) -> Image.Image:
     formats = accepted_formats()
     try:
-        return Image.open(io.BytesIO(data), formats=formats)
+        return Image.open(_file(data), formats=formats)
     except Image.DecompressionBombError:
         # Pillow's own ceiling (2 x Image.MAX_IMAGE_PIXELS) trips before our check can run.
         raise ImageTooLargeError(
@@ -186,9 +245,9 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _frame_count(image: Image.Image, data: bytes) -> int:
+def _frame_count(image: Image.Image, data: bytes | memoryview) -> int:
     if image.format in _FRAME_WALK_FORMATS:
-        probe = Image.open(io.BytesIO(data), formats=(image.format,))
+        probe = Image.open(_file(data), formats=(image.format,))
         try:
             return int(getattr(probe, "n_frames", 1))
         finally:
@@ -196,21 +255,20 @@ def _frame_count(image: Image.Image, data: bytes) -> int:
     return int(getattr(image, "n_frames", 1))
 
 
-def _png_exif_after_pixels(data: bytes) -> bytes | None:
+def _png_exif_after_pixels(data: bytes | memoryview) -> bytes | None:
     """The eXIf chunk of a PNG when it follows the image data (Pillow finds it only on load)."""
     pos = 8
     while pos + 8 <= len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
+        length, kind = struct.unpack_from(">I4s", data, pos)
         if kind == b"eXIf":
-            return b"Exif\x00\x00" + data[pos + 8 : pos + 8 + length]
+            return b"Exif\x00\x00" + bytes(data[pos + 8 : pos + 8 + length])
         if kind == b"IEND":
             return None
         pos += 12 + length
     return None
 
 
-def _orientation(image: Image.Image, data: bytes) -> int:
+def _orientation(image: Image.Image, data: bytes | memoryview) -> int:
     if image.format == "PNG" and "exif" not in image.info:
         exif = _png_exif_after_pixels(data)
         if exif is not None:
@@ -220,11 +278,14 @@ def _orientation(image: Image.Image, data: bytes) -> int:
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-def open_header(data: bytes, limits: Limits, *, exif_transpose: bool = False) -> tuple[Image.Image, Header]:
-    """Open `data` lazily and check `limits` from the header. No pixel data is decoded."""
+def open_header(data: Buffer, limits: Limits, *, exif_transpose: bool = False) -> tuple[Image.Image, Header]:
+    """Open `data` lazily and check `limits` from the header. No pixel data is decoded, and `data`
+    is not copied: the image reads it in place until it is closed (a buffer's contents must not
+    change meanwhile)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"image data must be bytes, got {type(data).__name__}")
-    data = bytes(data)
+    if not isinstance(data, bytes):
+        data = memoryview(data).cast("B").toreadonly()  # one flat byte per item, whatever the buffer's format
     if len(data) > limits.max_bytes:
         raise ImageTooLargeError(
             f"encoded image is {len(data):,} bytes, over the per-image byte limit ({limits.max_bytes:,} bytes); "

@@ -20,6 +20,12 @@ gives only the patches, built band by band straight from Pillow's pixels, never 
 image: what an encoder worker that builds the patches on the host needs. `vision.patchify` builds
 the same patches from the uint8 image on a torch device instead.
 
+Each call opens the header once (`vision.decode.open_header`), and the pixels are decoded from
+that same open image. A caller that already holds the image's plan (an encoder worker is sent the
+one its parent made with `plan_image`) passes it as `plan=`, having sized its buffers by it: the
+header is then checked to agree with it (a plan for other bytes or options is a `ValueError`, the
+caller's bug, never a result for the wrong plan), and the header is not read a second time.
+
 Both large outputs can be written into a buffer the caller owns and reuses (`out=`): the padded
 uint8 image (36 MB for 12 MP) and the float32 patches (145 MB). A fresh buffer of that size is a
 fresh mapping whose pages the kernel zero-fills on first touch (measured for the 12 MP patches:
@@ -32,14 +38,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import cv2
 import numpy as np
 from PIL import Image
 
-from .decode import DEFAULT_LIMITS, Header, Limits, decode, open_header, oriented_size, pillow_quiet
+from .decode import DEFAULT_LIMITS, Buffer, Header, Limits, decode, open_header, oriented_size, pillow_quiet
 from .errors import ImageDecodeError
 from .navit import IN_PATCH_LIMIT, MERGE_KERNEL_SIZE, PATCH_LIMIT_ON_ONE_SIDE, PATCH_SIZE, SizePlan, plan_size
 from .options import DEFAULT_OPTIONS, ImageOptions
@@ -431,7 +437,7 @@ def _plan(header: Header, options: ImageOptions) -> ImagePlan:
     return ImagePlan(size.orig_size, size.size, size.padded_size, header.format, header.mode)
 
 
-def plan_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> ImagePlan:
+def plan_image(data: Buffer, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> ImagePlan:
     """Sizes, grid, token count and prompt `preprocess_image` gives for the same bytes and options,
     from the header alone (no pixel decode). Raises the same `ImageError`s for limits and
     unreadable headers."""
@@ -440,21 +446,23 @@ def plan_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Lim
     return _plan(header, options)
 
 
-def count_tokens(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> int:
+def count_tokens(data: Buffer, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS) -> int:
     """The token count of `plan_image`."""
     return plan_image(data, options, limits).num_tokens
 
 
-def preprocess_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS,
-                     limits: Limits = DEFAULT_LIMITS, *, out: np.ndarray | None = None) -> Preprocessed:
+def preprocess_image(data: Buffer, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS, *,
+                     out: np.ndarray | None = None, plan: ImagePlan | None = None) -> Preprocessed:
     """Encoded image bytes -> the model input. The default options reproduce the reference bit for
     bit. `limits` are checked from the header, before any pixel is decoded (`ImageTooLargeError`).
     Raises `ImageError` subclasses for bad input.
 
     `out`: a writable, C-contiguous uint8 buffer of at least `plan_image(...).image_bytes` bytes;
     the padded image is built in it and the result's `image` is a read-only view of it, valid
-    until the caller writes the buffer again. None allocates a new array."""
-    with _opened(data, options, limits) as (image, header, plan):
+    until the caller writes the buffer again. None allocates a new array.
+    `plan`: the caller's `plan_image(data, options)`, checked against the header (`ValueError` if
+    it is another image's)."""
+    with _opened(data, options, limits, plan) as (image, header, plan):
         if out is not None:  # checked before the decode, and never reported as an image error
             pw, ph = plan.padded_size
             out = _output_view(out, np.uint8, (ph, pw, 3))
@@ -463,15 +471,16 @@ def preprocess_image(data: bytes, options: ImageOptions = DEFAULT_OPTIONS,
                         image=padded)
 
 
-def preprocess_patches(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS,
-                       *, out: np.ndarray | None = None) -> tuple[ImagePlan, np.ndarray]:
+def preprocess_patches(data: Buffer, options: ImageOptions = DEFAULT_OPTIONS, limits: Limits = DEFAULT_LIMITS, *,
+                       out: np.ndarray | None = None, plan: ImagePlan | None = None) -> tuple[ImagePlan, np.ndarray]:
     """Encoded image bytes -> (plan, pixel_values): bit for bit `preprocess_image`'s plan and
     `.pixel_values`, built without the padded uint8 image (what a worker that builds the patches on
     the host runs). Raises what `preprocess_image` raises.
 
     `out`: a writable, C-contiguous float32 buffer of at least `plan_image(...).pixel_values_size`
-    values, which the patches are a view of; None allocates a new array."""
-    with _opened(data, options, limits) as (image, header, plan):
+    values, which the patches are a view of; None allocates a new array.
+    `plan`: as for `preprocess_image`."""
+    with _opened(data, options, limits, plan) as (image, header, plan):
         if out is not None:  # checked before the decode, and never reported as an image error
             out = _output_view(out, np.float32, (plan.pixel_values_size,))
         pixel_values = _patches_of(_resized(image, header, plan, options), plan.padded_size, out)
@@ -479,13 +488,25 @@ def preprocess_patches(data: bytes, options: ImageOptions = DEFAULT_OPTIONS, lim
 
 
 @contextmanager
-def _opened(data: bytes, options: ImageOptions, limits: Limits) -> Iterator[tuple[Image.Image, Header, ImagePlan]]:
-    """The image opened from its header (limits checked, nothing decoded) and its plan; closed after."""
+def _opened(data: Buffer, options: ImageOptions, limits: Limits,
+            given: ImagePlan | None) -> Iterator[tuple[Image.Image, Header, ImagePlan]]:
+    """The image opened from its header (limits checked, nothing decoded) and its plan; closed
+    after. A `given` plan must be the one the header and options make (the size rule is
+    arithmetic: checking costs no second header read)."""
     image, header = open_header(data, limits, exif_transpose=options.exif_transpose)
     try:
-        yield image, header, _plan(header, options)
+        plan = _plan(header, options)
+        if given is not None and _plan_fields(given) != _plan_fields(plan):
+            raise ValueError(f"the caller's plan {_plan_fields(given)} is not this image's: its header and options "
+                             f"give {_plan_fields(plan)} (orig_size, size, padded_size, source_format, source_mode)")
+        yield image, header, plan
     finally:
         image.close()
+
+
+def _plan_fields(plan: ImagePlan) -> tuple[Any, ...]:
+    # An ImagePlan's own fields, so a Preprocessed (a plan with pixels) compares as its plan.
+    return tuple(getattr(plan, f.name) for f in fields(ImagePlan))
 
 
 def _resized(image: Image.Image, header: Header, plan: ImagePlan, options: ImageOptions) -> Image.Image:

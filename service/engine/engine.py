@@ -2,9 +2,11 @@
 counts, prompts, encodings and generations. Transport-free and async-first: the gRPC server, every
 batch engine and `kimi-vision embed` call it; none of them touches the pool, the tower or the trunk.
 
-Every image takes the same path (`embed`): its header is read here (`vision.plan_image`: sizes,
-token count, prompt, limits), its embedding looked up in the cache by content hash, and on a miss
-its encoded bytes go to one encoder worker, which decodes, preprocesses and encodes it.
+Every image takes the same path (`embed`): its header is read here, once (`vision.plan_image`:
+sizes, token count, prompt, limits), its embedding looked up in the cache by content hash, and on a
+miss its encoded bytes and that plan go to one encoder worker, which decodes, preprocesses and
+encodes it. An image refused here or by the worker gets the same error, prefixed with where the
+request holds it, and is counted once (`_named`).
 
 Where work runs: header reads, hashing and Preprocess's pixels on `cpu_executor` threads (Pillow
 and numpy release the GIL); decoding and the tower in the pool's worker processes; everything that
@@ -196,7 +198,8 @@ def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
 @contextlib.contextmanager
 def _named(image: ImageInput, metrics: Metrics) -> Iterator[None]:
     """Count a refused image by its kind, and prefix its error with where the image sits in the
-    request (same error class)."""
+    request (same error class): the one place for both, whether the header (here) or the pixels (in
+    a worker) refused it."""
     try:
         yield
     except ImageError as exc:
@@ -284,8 +287,9 @@ class Engine:
         """One small image through preprocessing, every encoder worker and the trunk, so the first
         real request pays no first-call costs (and a broken setup fails before it serves). Blocking."""
         probe = ImageInput(_probe_png())
-        plan = self._preprocess(probe)
-        futures = [self.pool.submit(probe.data, probe.options, plan.num_patches) for _ in self.pool.devices]
+        self._preprocess(probe)
+        plan = self._plan(probe)
+        futures = [self.pool.submit(probe.data, probe.options, plan) for _ in self.pool.devices]
         rows = [future.result() for future in futures][0]
         if self.model is not None:
             ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
@@ -364,14 +368,19 @@ class Engine:
         if missing:
             queued: list[concurrent.futures.Future] = []
             abandoned = threading.Event()
+
+            async def encoded(image: ImageInput, future: concurrent.futures.Future) -> torch.Tensor:
+                # A worker refuses pixels the header did not show: named and counted as a header refusal is.
+                with _named(image, self.metrics):
+                    return await asyncio.wrap_future(future)
+
             try:
                 with tracing.span("encode", images=len(missing)):
                     futures = await asyncio.gather(*(self.run_cpu(self._submit, image, plan, queued, abandoned)
                                                      for image, plan in missing.values()))
-                    rows = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-            except BaseException as exc:  # the caller will not use the other images: stop their work
-                if isinstance(exc, ImageError):  # a worker refused it (pixels the header did not show)
-                    self.metrics.images_refused.labels(reason=exc.kind).inc()
+                    rows = await asyncio.gather(*(encoded(image, future) for (image, _), future
+                                                  in zip(missing.values(), futures, strict=True)))
+            except BaseException:  # the caller will not use the other images: stop their work
                 abandoned.set()
                 for future in queued:
                     future.cancel()
@@ -497,7 +506,7 @@ class Engine:
         """Queue on the pool (off the event loop: a large image's bytes are copied into shared
         memory). The pool future joins `queued`; if the caller gave up meanwhile (`abandoned`), it
         is cancelled at once."""
-        future = self.pool.submit(image.data, image.options, plan.num_patches)
+        future = self.pool.submit(image.data, image.options, plan)
         queued.append(future)  # before the check: a caller giving up now finds it in `queued`
         if abandoned.is_set():
             future.cancel()

@@ -3,10 +3,12 @@
 K3's tower has 12 heads, which do not shard over 8 GPUs, so each image goes whole to one
 worker (`cuda:0..N-1`, or N CPU workers), chosen by the fewest outstanding patches.
 
-One kind of request: `submit(data, options, patches)` queues an image's encoded bytes, and its
+One kind of request: `submit(data, options, plan)` queues an image's encoded bytes, and its
 worker (`service.engine.worker`) decodes, preprocesses and encodes them; the future gives the
-projector rows. The caller has read the image's header (`vision.plan_image`) and passes its patch
-count, which weighs it for scheduling. So the calling process never decodes pixels.
+projector rows. The caller has read the image's header (`vision.plan_image`) and passes the plan:
+its patch count weighs the image for scheduling, and it travels to the worker with the bytes, so
+the worker does not plan again. So the calling process never decodes pixels, and each process
+reads the header once.
 
 Transport: each worker has its own request queue and result pipe, so a worker that dies
 mid-write can corrupt nothing another worker uses. Payloads up to `inline_bytes` (1 MiB) are
@@ -61,6 +63,7 @@ from vision.config import VisionConfig
 from vision.decode import DEFAULT_LIMITS, Limits
 from vision.encoder import check_checkpoint
 from vision.options import ImageOptions
+from vision.preprocess import ImagePlan
 
 MAX_INFLIGHT_PER_WORKER = 2  # sent to a worker and not yet answered: one running, one ready
 MAX_START_FAILURES = 3  # consecutive deaths before "ready" after which a slot is retired
@@ -148,7 +151,7 @@ def held_bytes(patches: int) -> int:
 @dataclass(eq=False)  # compared by identity (`deque.remove`), never by payload
 class _Request:
     id: int
-    payload: Any  # (packed image bytes, ImageOptions); dropped once sent
+    payload: Any  # (packed image bytes, ImageOptions, ImagePlan); dropped once sent
     future: Future
     patches: int
 
@@ -175,7 +178,7 @@ class _Slot:
 
 
 class EncoderPool:
-    """`submit(data, options, patches) -> Future[Tensor]`: the image's projector rows
+    """`submit(data, options, plan) -> Future[Tensor]`: the image's projector rows
     `[num_tokens, text_hidden]` on the CPU, encoded by one worker.
 
     Thread-safe; from asyncio use `asyncio.wrap_future(pool.submit(...))`. A future can be
@@ -239,12 +242,14 @@ class EncoderPool:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def submit(self, data: bytes, options: ImageOptions, patches: int) -> Future:
-        """Queue one image's encoded bytes on the slot with the fewest outstanding patches
-        (`patches`: its patch count, from its header). Its future stays pending, and can be
+    def submit(self, data: bytes, options: ImageOptions, plan: ImagePlan) -> Future:
+        """Queue one image's encoded bytes on the slot with the fewest outstanding patches.
+        `plan`: `vision.plan_image(data, options)`, which the worker preprocesses by (a plan of
+        other bytes fails the future with `EncodeError`). Its future stays pending, and can be
         cancelled, until the request is sent to a worker; a bad image body fails it with the
         `ImageError` that `vision.preprocess_image` raises."""
-        request = _Request(next(self._ids), (pack_bytes(data, self._inline_bytes), options), Future(), patches)
+        request = _Request(next(self._ids), (pack_bytes(data, self._inline_bytes), options, plan), Future(),
+                           plan.num_patches)
         with self._lock:
             if self._closed:
                 raise PoolClosedError("encoder pool is closed")

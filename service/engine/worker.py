@@ -2,10 +2,12 @@
 
 The worker runs the whole vision path for each request it is sent (`ImageEncoder`): decode, resize,
 compositing and padding (`vision.preprocess`), the patches (normalised float32 `pixel_values`), and
-the tower and projector of `vision.VisionEncoder`. The parent
-(`service.engine.pool`) has only read the image's header. Messages:
+the tower and projector of `vision.VisionEncoder`. The parent (`service.engine.pool`) has only read
+the image's header, and sends the plan it made from it (`vision.ImagePlan`) with the bytes: the
+worker sizes its buffers by that plan and opens the header once, only to decode the pixels
+(`preprocess_*(plan=)` checks that the header agrees with the plan). Messages:
 
-    parent -> worker  (request id, image bytes, ImageOptions) | None to stop
+    parent -> worker  (request id, image bytes, ImageOptions, ImagePlan) | None to stop
     worker -> parent  ("ready", pid) | ("failed", why)                 once, at start
                       ("ok", id, rows) | ("bad_image", id, ImageError) | ("error", id, why)
 
@@ -21,7 +23,8 @@ is waiting, decodes it and queues its copy while the card still works on k, then
 answers keep the order of the requests.
 
 Bytes and rows up to `inline_bytes` are pickled through the queue and pipe; larger ones travel as
-a shared-memory tensor (`/dev/shm`) whose handle is pickled (see the pool's module doc).
+a shared-memory tensor (`/dev/shm`) whose handle is pickled (see the pool's module doc). The worker
+reads such bytes in place, as a memoryview of the shared memory (`vision.decode` never copies it).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from vision.encoder import VisionEncoder
 from vision.errors import ImageError
 from vision.options import ImageOptions
 from vision.patchify import check_normalise, patchify_on_device
-from vision.preprocess import plan_image, preprocess_image, preprocess_patches
+from vision.preprocess import ImagePlan, preprocess_image, preprocess_patches
 
 Payload = bytes | torch.Tensor  # inline bytes, or a uint8 shared-memory tensor holding them
 PATCHIFY = ("auto", "device", "host")
@@ -91,15 +94,16 @@ class ImageEncoder:
             self._patches = BufferPool(np.float32)
 
     @torch.inference_mode()
-    def launch(self, data: bytes | memoryview, options: ImageOptions) -> Launched:
-        """Preprocess one image and queue its tower and projector. Raises `ImageError` for bad input."""
-        plan = plan_image(data, options, self.limits)
+    def launch(self, data: bytes | memoryview, options: ImageOptions, plan: ImagePlan) -> Launched:
+        """Preprocess one image by its `plan` (`vision.plan_image` of these bytes and options, made by
+        the caller) and queue its tower and projector. Raises `ImageError` for bad input, and
+        `ValueError` for a plan that is not this image's."""
         if self.staging is not None:
-            pre = preprocess_image(data, options, self.limits, out=self.staging.buffer(plan.image_bytes))
+            pre = preprocess_image(data, options, self.limits, out=self.staging.buffer(plan.image_bytes), plan=plan)
             pixels = patchify_on_device(self.staging.upload(pre.image))
             return self._queued(self.encoder.encode([(pixels, pre.grid_thw)])[0])
         with self._patches.take(plan.pixel_values_size) as buffer:
-            plan, patches = preprocess_patches(data, options, self.limits, out=buffer)
+            plan, patches = preprocess_patches(data, options, self.limits, out=buffer, plan=plan)
             # The tower has read the patches (on a GPU: copied them from this pageable buffer) when
             # encode returns, so the buffer can be reused for the next image.
             return self._queued(self.encoder.encode([(patches, plan.grid_thw)])[0])
@@ -119,9 +123,9 @@ class ImageEncoder:
             self._download.wait_event(launched.ready)
             return pack_rows(launched.rows, inline_bytes)  # a copy to pageable memory: waits for its stream
 
-    def encode(self, data: bytes | memoryview, options: ImageOptions) -> torch.Tensor:
+    def encode(self, data: bytes | memoryview, options: ImageOptions, plan: ImagePlan) -> torch.Tensor:
         """`launch`, then wait for the rows (on the device)."""
-        launched = self.launch(data, options)
+        launched = self.launch(data, options, plan)
         if launched.ready is not None:
             launched.ready.synchronize()
         return launched.rows
@@ -180,10 +184,10 @@ def serve(encoder: ImageEncoder, inline_bytes: int, requests: Any, results: Conn
             return
         running = False
         if msg:
-            req_id, payload, options = msg
+            req_id, payload, options, plan = msg
             del msg
             try:
-                answers.append(("ok", req_id, encoder.launch(unpack_bytes(payload), options)))
+                answers.append(("ok", req_id, encoder.launch(unpack_bytes(payload), options, plan)))
                 running = encoder.asynchronous
             except ImageError as e:  # bad input (ImageError subclasses pickle): the caller gets it as is
                 answers.append(("bad_image", req_id, e))
