@@ -40,7 +40,8 @@ def bound_pull(context: zmq.Context) -> tuple[zmq.Socket, int]:
     return sock, port
 
 
-def receive(sock: zmq.Socket, req_id: str, timeout_s: float) -> receiver.MultiModalEmbeddingData | receiver.EmbeddingData:
+def receive(sock: zmq.Socket, req_id: str,
+            timeout_s: float) -> receiver.MultiModalEmbeddingData | receiver.EmbeddingData:
     """Every part of request `req_id` (the aggregate), or the first error part; AssertionError when
     nothing arrives within `timeout_s` of the last message."""
     aggregate = None
