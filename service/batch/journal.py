@@ -16,7 +16,8 @@ When every line has its row, `finish` rewrites the output in input order (each r
 `kimi_vision.line`), and with an errors file moves the failed rows there, as OpenAI's Batch API
 splits them. It holds only an index in memory (line, offset, length per row: 24 bytes a row), never
 the rows, and replaces each file atomically: the errors file first, so a crash between the two
-renames leaves failed rows in both files, which a resume counts once.
+renames leaves failed rows in both files, which a resume counts once. Resume holds no rows
+either: the ids it has read are 128-bit hashes (`service.batch.ids`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from service.batch.ids import IdTable
 from service.batch.rows import is_ok, is_transient, line_of, shard_file
 
 
@@ -52,11 +54,14 @@ def errors_name(output: Path, errors: Path | None) -> str | None:
     return None if errors is None else os.path.relpath(os.path.abspath(errors), os.path.abspath(output.parent))
 
 
+KEPT, RERUN = 1, 0  # a resume's verdict on an id it read (`Prior.ids`)
+
+
 @dataclass
 class Prior:
     """What an earlier run of this job left: ids not to run again and their statuses."""
 
-    done: set[str] = field(default_factory=set)
+    ids: IdTable = field(default_factory=IdTable)  # every id read: KEPT (has its row) or RERUN
     ok: int = 0
     errors: int = 0  # permanent errors (kept, not retried)
     retrying: int = 0  # transient errors dropped so they run again
@@ -64,7 +69,15 @@ class Prior:
     dropped: int = 0  # whole rows not kept (transient failures, rows whose shard is gone)
     orphan_shards: list[str] = field(default_factory=list)  # embedding shards no kept row points to
     shards: set[str] = field(default_factory=set)  # shard files the kept rows point to
-    seen: set[str] = field(default_factory=set)  # every id read (a row in both files counts once)
+
+    def is_done(self, custom_id: str) -> bool:
+        """The id has its row: do not run it again."""
+        return self.ids.get(custom_id) == KEPT
+
+    @property
+    def kept(self) -> int:
+        """Rows kept: the lines done."""
+        return self.ok + self.errors
 
 
 def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -189,18 +202,15 @@ def _scan(path: Path, root: Path, prior: Prior, keep: Callable[[bytes], Any] | N
 
 def _keeps(row: dict[str, Any], custom_id: str, transient: bool, shard: str | None, root: Path,
            prior: Prior) -> bool:
-    if custom_id in prior.seen:
+    # A shard is looked for once; a row's shard that is gone means computing it again.
+    shard_gone = shard is not None and shard not in prior.shards and not (root / shard).is_file()
+    if prior.ids.insert(custom_id, RERUN if transient or shard_gone else KEPT) is not None:
         return False  # a row a crash left in both files: counted once
-    prior.seen.add(custom_id)
-    if transient:
+    if transient or shard_gone:
         prior.retrying += 1
         return False
     if shard is not None:
-        if not (root / shard).is_file():
-            prior.retrying += 1  # its shard is gone: compute it again
-            return False
         prior.shards.add(shard)
-    prior.done.add(custom_id)
     if is_ok(row):
         prior.ok += 1
     else:
