@@ -329,6 +329,31 @@ def test_resume_reads_many_rows_into_the_id_table(tmp_path):
     assert len(_lines(output)) == prior.kept
 
 
+def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
+    """With runs of 7 rows merged 3 at a time, 500 rows take three levels of merges; the rows come
+    out in input order, the failed ones split out, nothing left beside the output."""
+    from service.batch import journal
+
+    monkeypatch.setattr(journal, "_RUN_ROWS", 7)
+    monkeypatch.setattr(journal, "_FAN_IN", 3)
+    order = np.random.default_rng(0).permutation(np.arange(1, 501)).tolist()
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
+                              for n in order))
+    finish(output)
+    assert [r["kimi_vision"]["line"] for r in _lines(output)] == list(range(1, 501))
+    in_order = output.stat()
+    finish(output)  # in order already, no errors file: not rewritten
+    assert output.stat().st_ino == in_order.st_ino and output.stat().st_mtime_ns == in_order.st_mtime_ns
+
+    output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
+                              for n in order))
+    finish(output, errors)
+    assert [r["custom_id"] for r in _lines(output)] == [f"id{n}" for n in range(1, 501) if n % 9]
+    assert [r["custom_id"] for r in _lines(errors)] == [f"id{n}" for n in range(9, 501, 9)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The mixed request file, in-process and through a real server
 
