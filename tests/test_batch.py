@@ -38,7 +38,6 @@ from service.batch.inputs import InputError, base_dir, load_items
 from service.batch.journal import ResumeRefused, fingerprint_path, finish, prepare, shard_dir
 from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
-from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.engine.identity import checkpoint_fingerprint
 from service.openai.request import parse_chat_request
@@ -54,11 +53,6 @@ DIRECTORY_ORDER = ["grayscale.png", "photo.jpg", "sticker_rgba.png", "sub/deeper
                    "sub/not_an_image.jpg", "truncated.png"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    """The embedded default (tiny random tower, MXFP4 trunk, tiny tokenizer): what `batch` uses
-    when given no --checkpoint."""
-    return default_checkpoint_dir()
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +71,8 @@ def images(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(checkpoint), devices="cpu:1",
+def server(tiny_checkpoint):
+    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(tiny_checkpoint), devices="cpu:1",
                                                          cache_bytes=0)) as handle:
         yield handle
 
@@ -604,7 +598,7 @@ def test_progress_bar_on_a_tty_and_log_lines_otherwise():
 # The CLI in-process (the default mode): embeddings into shards
 
 
-def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoint, images, tmp_path):
+def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, tiny_checkpoint, images, tmp_path):
     output = tmp_path / "emb.jsonl"
     done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--devices", "cpu:1")
     assert done.returncode == 0, done.stderr
@@ -612,7 +606,7 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
     rows = validated_rows(output)
     assert [r["custom_id"] for r in rows] == DIRECTORY_ORDER
     fp = json.loads(fingerprint_path(output).read_text())
-    assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(checkpoint)
+    assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(tiny_checkpoint)
 
     via_server = tmp_path / "server.jsonl"
     _server_run(server.target, JobSpec("embed"), images, via_server)

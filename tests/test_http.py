@@ -28,7 +28,7 @@ from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 from openai_schema import ChatCompletion, ChatCompletionChunk, ErrorResponse
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from serve_process import ServeProcess
+from serve_process import ServeProcess, free_port
 
 from service.checkpoints.default import default_checkpoint_dir
 from service.rpc.client import VisionClient, user
@@ -89,12 +89,6 @@ def rpc(server):
         yield client
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _error(reply: httpx.Response, status: int, words: str) -> None:
@@ -243,7 +237,7 @@ def test_every_face_reports_a_bad_sampling_value_alike(http, rpc, server, tmp_pa
 
 
 def test_health_follows_warm_up_and_drain_and_the_token_guards_the_api(tmp_path):
-    port = _free_port()
+    port = free_port()
     statuses: list[int] = []
     proc = ServeProcess.launch(["--devices", "cpu:1", "--http-port", str(port), "--drain-seconds", "30"],
                                log_path=tmp_path / "serve.log", env={"KIMI_VISION_AUTH_TOKEN": TOKEN})
