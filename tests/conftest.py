@@ -20,3 +20,36 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    """The embedded default checkpoint (tiny random tower and projector, MXFP4 trunk, tiny
+    tokenizer): what every command runs without --checkpoint. Shared: a test that changes a
+    checkpoint works on a copy."""
+    from service.checkpoints.default import default_checkpoint_dir
+
+    return default_checkpoint_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tiny_checkpoint: Path):
+    """The tiny checkpoint's tower and projector, in this process (the reference a worker's rows equal)."""
+    from vision.encoder import VisionEncoder
+
+    return VisionEncoder.from_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny tokenizer files (textcore.tiny_vocab), written once."""
+    from textcore.tiny_vocab import write_tiny_tokenizer
+
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir: Path):
+    from textcore.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_tokenizer_dir)

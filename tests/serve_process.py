@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,13 @@ _EXEC_DYING_WITH_PARENT = (
     f"ctypes.CDLL(None, use_errno=True).prctl(1, {int(signal.SIGTERM)}); "  # 1 = PR_SET_PDEATHSIG
     "os.execvp(sys.argv[1], sys.argv[1:])"
 )
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for flags that take a fixed port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve_command() -> list[str]:

@@ -38,7 +38,6 @@ from service.batch.inputs import InputError, base_dir, load_items
 from service.batch.journal import ResumeRefused, fingerprint_path, finish, prepare, shard_dir
 from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
-from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.engine.identity import checkpoint_fingerprint
 from service.openai.request import parse_chat_request
@@ -54,11 +53,6 @@ DIRECTORY_ORDER = ["grayscale.png", "photo.jpg", "sticker_rgba.png", "sub/deeper
                    "sub/not_an_image.jpg", "truncated.png"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    """The embedded default (tiny random tower, MXFP4 trunk, tiny tokenizer): what `batch` uses
-    when given no --checkpoint."""
-    return default_checkpoint_dir()
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +71,8 @@ def images(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(checkpoint), devices="cpu:1",
+def server(tiny_checkpoint):
+    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=str(tiny_checkpoint), devices="cpu:1",
                                                          cache_bytes=0)) as handle:
         yield handle
 
@@ -131,7 +125,7 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
     caption = JobSpec("caption")
-    items = load_items(images, caption)
+    items = list(load_items(images, caption))
     assert [i.custom_id for i in items] == DIRECTORY_ORDER  # recursive, sorted, `/`-separated, notes.txt skipped
     assert [i.line for i in items] == list(range(1, 7)) and not items[0].numbered
     # A directory's image becomes the request a JSONL line would carry: the image, then the task prompt.
@@ -140,7 +134,7 @@ def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
                                     {"type": "image_url", "image_url": {"url": str(images / "grayscale.png")}},
                                     {"type": "text", "text": caption.effective_prompt}]}]}}
     assert parse_chat_request(items[0].request["body"]).images[0].url == str(images / "grayscale.png")
-    embed = load_items(images, JobSpec("embed"))[0].request
+    embed = next(iter(load_items(images, JobSpec("embed")))).request
     assert embed["url"] == "/v1/embeddings" and len(embed["body"]["messages"][0]["content"]) == 1
 
     listing = tmp_path / "paths.txt"
@@ -153,7 +147,7 @@ def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
             "body": {"messages": [{"role": "user", "content": "line\u2028separator inside a string"}]}}
     source.write_bytes(b"\n".join([json.dumps(good, ensure_ascii=False).encode(), b"", b"{oops", b"[1, 2]",
                                    b'{"custom_id": 5}', b'{"custom_id": "a"}', b"\xff\xfe not UTF-8"]) + b"\n")
-    items = load_items(source, caption)
+    items = list(load_items(source, caption))
     assert [(i.custom_id, i.line) for i in items] == [("a", 1), ("<line 3>", 3), ("<line 4>", 4), ("<line 5>", 5),
                                                       ("<line 6>", 6), ("<line 7>", 7)]
     assert items[0].request == good and items[0].problem is None
@@ -167,6 +161,62 @@ def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
             path.write_text("\n\n")
         with pytest.raises(InputError, match=message):
             load_items(path, caption)
+
+
+def test_repeated_ids_are_found_however_far_apart(tmp_path):
+    """Ids seen long before (merged into the id table's sorted part) and just before (still in its
+    recent part) are both repeats; a generated `<line N>` id steps around ids taken."""
+    lines = [{"custom_id": f"id{n}"} for n in range(1, 10001)]
+    lines[4] = {"custom_id": "<line 10003>"}
+    lines += [{"custom_id": "id1"}, {"custom_id": "id9999"}, {}, {"custom_id": "<line 10003>'"}]
+    source = tmp_path / "many.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    inputs = load_items(source, JobSpec("caption"))
+    items = list(inputs)
+    assert len(inputs) == len(items) == 10004
+    assert [i.custom_id for i in items[:4]] == ["id1", "id2", "id3", "id4"] and items[4].custom_id == "<line 10003>"
+    assert all(i.problem is None for i in items[:10000])
+    assert [(i.custom_id, i.line) for i in items[10000:]] == [
+        ("<line 10001>", 10001), ("<line 10002>", 10002), ("<line 10003>'", 10003), ("<line 10004>", 10004)]
+    assert [i.problem.split(";")[0] for i in items[10000:]] == [
+        "custom_id 'id1' is already the id of line 1", "custom_id 'id9999' is already the id of line 9999",
+        "custom_id must be a non-empty string, got None", "custom_id \"<line 10003>'\" is already the id of line 10003"]
+
+
+def test_a_directory_is_walked_in_the_order_of_its_ids(tmp_path):
+    for name in ["a0.png", "a/x.png", "a.png", "a-b.png", "a/b/y.png", "b/../c.txt"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "c").symlink_to(tmp_path / "a")  # a symlinked directory is not followed
+    (tmp_path / "d.png").symlink_to(tmp_path / "a.png")  # a symlinked file is read like a file
+    items = list(load_items(tmp_path, JobSpec("embed")))
+    assert [i.custom_id for i in items] == ["a-b.png", "a.png", "a/b/y.png", "a/x.png", "a0.png", "d.png"]
+    assert [i.line for i in items] == list(range(1, 7))
+
+
+def test_reading_an_input_holds_a_small_hash_per_line_not_its_items(tmp_path):
+    import tracemalloc
+
+    lines = 40_000
+    # JSONL, not a path list: pathlib interns each path part, and the interpreter's table of
+    # interned strings (all of pytest's too) is rebuilt now and then, a few MiB that the reading
+    # does not hold.
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"img{n}", "method": "POST", "url": "/v1/embeddings",
+                                          "body": {"messages": [{"role": "user", "content": [
+                                              {"type": "image_url", "image_url": {"url": "img.png"}}]}]}}) + "\n"
+                              for n in range(lines)))
+    inputs = load_items(source, JobSpec("embed"))
+    tracemalloc.start()
+    try:
+        read = sum(1 for _ in inputs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read == len(inputs) == lines
+    # The id table's 24 bytes a line (32 while it merges) and a fixed part; the items themselves,
+    # held, would be about 800 bytes a line.
+    assert peak < (4 << 20) + 64 * lines, f"{peak / 2**20:.1f} MiB to read {lines} lines"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +235,12 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _done(prior, ids) -> list[str]:
+    """Which of `ids` a resume does not run again; every id it read is one of them."""
+    assert len(prior.ids) == len(list(ids))
+    return [i for i in ids if prior.is_done(i)]
+
+
 def test_journal_resume_input_order_and_the_errors_file(tmp_path):
     output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     fp = {"format": "x", "task": "caption"}
@@ -192,7 +248,8 @@ def test_journal_resume_input_order_and_the_errors_file(tmp_path):
     rows = [_row("c", 3), _row("a", 1, 400, "bad_input"), _row("b", 2, 503, "unavailable")]
     output.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"custom_id": "d", "sta')
     prior = prepare(output, fp, resume=True)
-    assert prior.done == {"a", "c"} and prior.torn and prior.retrying == 1  # 503: its kind is retried
+    # 503: its kind is retried
+    assert _done(prior, ["a", "b", "c"]) == ["a", "c"] and prior.torn and prior.retrying == 1
     assert [r["custom_id"] for r in _lines(output)] == ["c", "a"] and output.read_bytes().endswith(b"\n")
 
     # Every line has its row: finish puts them in input order; with an errors file, failures move there.
@@ -231,7 +288,7 @@ def test_journal_resume_input_order_and_the_errors_file(tmp_path):
         f.write(json.dumps(embedding("e1", 4, "shard-00001.safetensors")) + "\n")
         f.write(json.dumps(embedding("e2", 5, "gone.safetensors")) + "\n")
     prior = prepare(output, fp, resume=True)
-    assert prior.done == {"a", "b", "c", "e1"} and prior.retrying == 1
+    assert _done(prior, ["a", "b", "c", "e1", "e2"]) == ["a", "b", "c", "e1"] and prior.retrying == 1
     assert sorted(p.name for p in shards.iterdir()) == ["shard-00001.safetensors"]
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -243,6 +300,52 @@ def test_journal_resume_input_order_and_the_errors_file(tmp_path):
     fingerprint_path(output).unlink()
     with pytest.raises(ResumeRefused, match="job file .* is missing"):
         prepare(output, fp, resume=True)
+
+
+def test_resume_reads_many_rows_into_the_id_table(tmp_path):
+    """More rows than the id table holds before its first merge: each one's verdict is kept."""
+    output = tmp_path / "out.jsonl"
+    fp = {"format": "x", "task": "caption"}
+    prepare(output, fp, resume=False)
+    def row(n: int) -> dict:
+        if n % 7 == 0:
+            return _row(f"id{n}", n, 503, "unavailable")
+        return _row(f"id{n}", n, 400, "bad_input") if n % 5 == 0 else _row(f"id{n}", n)
+
+    rows = [row(n) for n in range(1, 10001)]
+    output.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prior = prepare(output, fp, resume=True)
+    transient = {n for n in range(1, 10001) if n % 7 == 0}
+    assert [n for n in range(1, 10001) if not prior.is_done(f"id{n}")] == sorted(transient)
+    assert not prior.is_done("id0") and not prior.is_done("id10001")
+    assert (prior.kept, prior.retrying, len(prior.ids)) == (10000 - len(transient), len(transient), 10000)
+    assert prior.errors == sum(1 for n in range(1, 10001) if n % 5 == 0 and n % 7)
+    assert len(_lines(output)) == prior.kept
+
+
+def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
+    """With runs of 7 rows merged 3 at a time, 500 rows take three levels of merges; the rows come
+    out in input order, the failed ones split out, nothing left beside the output."""
+    from service.batch import journal
+
+    monkeypatch.setattr(journal, "_RUN_ROWS", 7)
+    monkeypatch.setattr(journal, "_FAN_IN", 3)
+    order = np.random.default_rng(0).permutation(np.arange(1, 501)).tolist()
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
+                              for n in order))
+    finish(output)
+    assert [r["kimi_vision"]["line"] for r in _lines(output)] == list(range(1, 501))
+    in_order = output.stat()
+    finish(output)  # in order already, no errors file: not rewritten
+    assert output.stat().st_ino == in_order.st_ino and output.stat().st_mtime_ns == in_order.st_mtime_ns
+
+    output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
+                              for n in order))
+    finish(output, errors)
+    assert [r["custom_id"] for r in _lines(output)] == [f"id{n}" for n in range(1, 501) if n % 9]
+    assert [r["custom_id"] for r in _lines(errors)] == [f"id{n}" for n in range(9, 501, 9)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +598,7 @@ def test_progress_bar_on_a_tty_and_log_lines_otherwise():
 # The CLI in-process (the default mode): embeddings into shards
 
 
-def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoint, images, tmp_path):
+def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, tiny_checkpoint, images, tmp_path):
     output = tmp_path / "emb.jsonl"
     done = _cli("--task", "embed", "--input", str(images), "--output", str(output), "--devices", "cpu:1")
     assert done.returncode == 0, done.stderr
@@ -503,7 +606,7 @@ def test_embed_cli_in_process_writes_shards_equal_to_the_server(server, checkpoi
     rows = validated_rows(output)
     assert [r["custom_id"] for r in rows] == DIRECTORY_ORDER
     fp = json.loads(fingerprint_path(output).read_text())
-    assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(checkpoint)
+    assert fp["task"] == "embed" and fp["model"] == checkpoint_fingerprint(tiny_checkpoint)
 
     via_server = tmp_path / "server.jsonl"
     _server_run(server.target, JobSpec("embed"), images, via_server)

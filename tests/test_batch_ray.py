@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from large_images import MIB, check_limited_rows, limit_images
+from images import MIB, check_limited_rows, limit_images
 from openai_batch import check_mixed_output, comparable, image_server, validated_rows, write_mixed_input
 from safetensors.numpy import load_file
 
@@ -54,9 +54,9 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(tiny_checkpoint):
     """The local engine the Ray rows are compared with (embedded default checkpoint, one worker)."""
-    loaded = Engine.load(EngineConfig(checkpoint=default_checkpoint_dir(), devices="cpu:1", cache_bytes=0))
+    loaded = Engine.load(EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0))
     yield loaded
     loaded.close()
 

@@ -15,17 +15,12 @@ from hypothesis import strategies as st
 from tests.conftest import REPO_ROOT
 from textcore import tokenizer as tk
 from textcore.chat import CHAT_KWARGS, ChatError, Segment, render, render_ids, render_text, repair_tool_results
-from textcore.tiny_vocab import write_tiny_tokenizer
-from textcore.tokenizer import Tokenizer
 
 MARKERS = [name for name, _ in tk.NAMED_SPECIAL_TOKENS.values()] + ["<|kimi_image_placeholder|>"]
 user_text = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(MARKERS)), max_size=6).map("".join)
 IMAGE = "<|media_begin|>image 28x28<|media_content|><|media_pad|><|media_end|>"
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_pretrained(write_tiny_tokenizer(tmp_path_factory.mktemp("tiny")))
 
 
 def _json_value():
@@ -76,7 +71,7 @@ def _control_ids(ids: list[int]) -> list[int]:
 
 @settings(max_examples=100, deadline=None)
 @given(text=user_text, name=user_text, reasoning=user_text, arg=user_text)
-def test_user_strings_never_become_control_ids(tok, text, name, reasoning, arg):
+def test_user_strings_never_become_control_ids(tiny_tokenizer, text, name, reasoning, arg):
     def chat(t, n, r, a):
         return [{"role": "system", "content": t},
                 {"role": "user", "content": [{"type": "text", "text": t}], "name": n or "x"},
@@ -84,11 +79,11 @@ def test_user_strings_never_become_control_ids(tok, text, name, reasoning, arg):
                  "tool_calls": [{"id": "1", "function": {"name": n or "x", "arguments": {a or "k": a}}}]},
                 {"role": "tool", "tool_call_id": "1", "content": t}]
 
-    spelled = render_ids(tok, chat(text, name, reasoning, arg))
-    plain = render_ids(tok, chat("t", "n", "r", "a"))
+    spelled = render_ids(tiny_tokenizer, chat(text, name, reasoning, arg))
+    plain = render_ids(tiny_tokenizer, chat("t", "n", "r", "a"))
     # The control ids come from the renderer alone: the same ones, wherever the user spelled markers.
     assert _control_ids(spelled.ids) == _control_ids(plain.ids)
-    assert tok.decode(spelled.ids) == spelled.text
+    assert tiny_tokenizer.decode(spelled.ids) == spelled.text
 
 
 @settings(max_examples=60, deadline=None)
@@ -156,13 +151,13 @@ def test_every_assistant_turn_has_a_think_element():
                                       thinking=False, add_generation_prompt=False)
 
 
-def test_images_become_one_special_segment_each(tok):
+def test_images_become_one_special_segment_each(tiny_tokenizer):
     chat = [{"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "image_url", "image_url": {}},
                                          {"type": "image"}, {"type": "text", "text": "<|media_pad|>"}]}]
     prompts = [IMAGE, IMAGE.replace("28x28", "56x28")]
     segments = render(chat, image_prompts=prompts)
     assert [s for s in segments if s.text in prompts] == [Segment(p, True) for p in prompts]
-    ids = tok.encode_segments(segments)
+    ids = tiny_tokenizer.encode_segments(segments)
     assert ids.count(tk.MEDIA_PAD_ID) == 2 and ids.count(tk.MEDIA_BEGIN_ID) == 2  # the typed one stays text
     with pytest.raises(ChatError, match=r"messages\[0\].content\[1\] is an image but no image_prompts"):
         render(chat)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import png
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -18,28 +16,13 @@ from service.cli import main as cli_main
 from vision.encoder import VisionEncoder
 
 
-def png(w: int, h: int, mode: str = "RGB", seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    bands = len(mode)
-    arr = rng.integers(0, 256, (h, w, bands), dtype=np.uint8)
-    img = Image.fromarray(arr[..., 0] if bands == 1 else arr, mode)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory) -> VisionEncoder:
-    return VisionEncoder.from_checkpoint(make_checkpoint(tmp_path_factory.mktemp("emb") / "tiny", "tiny", seed=0))
-
-
 @pytest.mark.parametrize(
     "w,h,mode", [(225, 223, "RGB"), (1, 1, "RGB"), (29, 57, "RGBA"), (3, 100, "L"), (57, 29, "LA"), (899, 31, "RGB")]
 )
-def test_rows_equal_num_tokens_for_odd_sizes(encoder, w, h, mode):
-    pre = vision.preprocess_image(png(w, h, mode))
-    (out,) = encoder.encode([pre])
-    assert out.shape == (pre.num_tokens, encoder.config.text_hidden_size)
+def test_rows_equal_num_tokens_for_odd_sizes(tiny_encoder, w, h, mode):
+    pre = vision.preprocess_image(png(w, h, mode=mode))
+    (out,) = tiny_encoder.encode([pre])
+    assert out.shape == (pre.num_tokens, tiny_encoder.config.text_hidden_size)
     assert pre.num_tokens == (pre.grid_thw[1] // 2) * (pre.grid_thw[2] // 2)
     assert torch.isfinite(out).all()
 
@@ -47,8 +30,8 @@ def test_rows_equal_num_tokens_for_odd_sizes(encoder, w, h, mode):
 def test_cli_embed_with_embedded_default(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIMI_VISION_CACHE", str(tmp_path / "cache"))
     a, b, bad = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "bad.png"
-    a.write_bytes(png(225, 223, "RGBA", seed=1))
-    b.write_bytes(png(40, 90, "RGB", seed=2))
+    a.write_bytes(png(225, 223, seed=1, mode="RGBA"))
+    b.write_bytes(png(40, 90, seed=2, mode="RGB"))
     bad.write_bytes(b"not an image")
     out = tmp_path / "out.safetensors"
     rc = cli_main(["embed", "--workers", "1", "--out", str(out), str(a), str(b), str(bad), str(a)])
@@ -79,7 +62,7 @@ def test_cli_embed_bad_checkpoint(tmp_path, capsys):
     assert "checkpoint directory not found" in capsys.readouterr().err
 
 
-def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
+def test_cli_embed_vllm_ec_layout(tmp_path, tiny_encoder, capsys):
     """`--format vllm-ec`: one `<mm_hash>/encoder_cache.safetensors` per image, named by the hash vLLM
     computes for it (here under a local-path model id and sha256, as `vllm serve /models/kimi-k3
     --mm-hasher-algorithm sha256` would), holding bfloat16 rows by default."""
@@ -88,8 +71,8 @@ def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
     ckpt = tmp_path / "ckpt"
     make_checkpoint(ckpt, "tiny", seed=0)
     a, b = tmp_path / "a.png", tmp_path / "b.png"
-    a.write_bytes(png(60, 30, "RGB", seed=3))
-    b.write_bytes(png(30, 90, "LA", seed=4))
+    a.write_bytes(png(60, 30, seed=3, mode="RGB"))
+    b.write_bytes(png(30, 90, seed=4, mode="LA"))
     out = tmp_path / "ec"
     rc = cli_main(["embed", "--checkpoint", str(ckpt), "--workers", "1", "--format", "vllm-ec", "--out", str(out),
                    "--vllm-model-id", "/models/kimi-k3", "--mm-hasher-algorithm", "sha256", str(a), str(b)])
@@ -101,4 +84,4 @@ def test_cli_embed_vllm_ec_layout(tmp_path, encoder, capsys):
         pre = vision.preprocess_image(path.read_bytes())
         written = load_file(str(out / h / "encoder_cache.safetensors"))["ec_cache"]  # as vLLM's connector reads it
         assert written.dtype == torch.bfloat16  # what vLLM holds
-        torch.testing.assert_close(written, encoder.encode([pre])[0].to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(written, tiny_encoder.encode([pre])[0].to(torch.bfloat16), rtol=1e-2, atol=1e-2)

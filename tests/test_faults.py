@@ -9,12 +9,10 @@ the test needs, where timing a real encode would race with the kill.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,10 +24,9 @@ import grpc
 import numpy as np
 import psutil
 import pytest
-from PIL import Image
-from serve_process import REPO_ROOT, ServeProcess
+from images import png
+from serve_process import REPO_ROOT, ServeProcess, free_port
 
-from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, image, user
@@ -41,11 +38,6 @@ from service.server import ServerConfig, ServerThread
 RESTART_LIMIT_S = 10.0
 
 
-def png(seed: int, w: int = 96, h: int = 64) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -67,10 +59,10 @@ def rpc_code(future: Future, timeout_s: float = 60.0) -> str:
 
 
 @pytest.fixture(scope="module")
-def handle():
+def handle(tiny_checkpoint):
     # One work slot and one queue place: capacity 2, so queueing is easy to observe.
     config = ServerConfig(port=0, max_concurrency=1, max_queue=1)
-    with ServerThread(config, EngineConfig(checkpoint=default_checkpoint_dir(), devices="cpu:1", cache_bytes=0)) as h:
+    with ServerThread(config, EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0)) as h:
         yield h
 
 
@@ -96,7 +88,7 @@ def test_kill_9_worker_mid_request(handle: ServerThread, client: VisionClient, p
     pid = before["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        request = pool_ex.submit(client.embed, png(1))
+        request = pool_ex.submit(client.embed, png(96, 64, seed=1))
         wait_for(lambda: _worker(handle)["inflight"] == 1, 60, "the image to reach the worker")
     finally:
         os.kill(pid, signal.SIGKILL)  # also ends the stop
@@ -119,7 +111,7 @@ def test_kill_9_worker_mid_request(handle: ServerThread, client: VisionClient, p
     assert _worker(handle)["restarts"] == before["restarts"] + 1
     # Later requests are served, including the very image that failed (a retry).
     for seed in (1, 2):
-        header, rows = client.embed(png(seed))
+        header, rows = client.embed(png(96, 64, seed=seed))
         assert rows.shape == (header.num_tokens, header.hidden_size) and np.isfinite(rows).all()
     # Health follows the pool (NOT_SERVING while no worker is ready), checked about once a second.
     wait_for(lambda: client.health() == "SERVING", 5, "health SERVING again")
@@ -132,22 +124,22 @@ def test_client_cancellation_frees_the_queue_slot(handle: ServerThread, client: 
     os.kill(pid, signal.SIGSTOP)  # the slot holder's image waits in the frozen worker
     try:
         # Streaming calls are call objects the client can cancel.
-        a = client.stub.Embed(pb.EmbedRequest(image=image(png(10))))
+        a = client.stub.Embed(pb.EmbedRequest(image=image(png(96, 64, seed=10))))
         a_done = pool_ex.submit(list, a)
         wait_for(lambda: admission.working == 1, 30, "request A to hold the slot")
-        b = client.stub.Embed(pb.EmbedRequest(image=image(png(11))))
+        b = client.stub.Embed(pb.EmbedRequest(image=image(png(96, 64, seed=11))))
         b_done = pool_ex.submit(list, b)
         wait_for(lambda: admission.admitted == 2, 30, "request B to queue")
         # Full (1 working + 1 queued): a third request is refused at once.
         with pytest.raises(grpc.RpcError) as info:
-            client.count_tokens(png(12))
+            client.count_tokens(png(96, 64, seed=12))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         b.cancel()
         assert rpc_code(b_done) == "CANCELLED"
         wait_for(lambda: admission.admitted == 1, 10, "B's queue place to be freed")
         # The freed place takes a new request (queued behind A, not refused).
-        d_done = pool_ex.submit(client.count_tokens, png(13))
+        d_done = pool_ex.submit(client.count_tokens, png(96, 64, seed=13))
         wait_for(lambda: admission.admitted == 2, 10, "request D to queue")
         a.cancel()
         assert rpc_code(a_done) == "CANCELLED"
@@ -155,7 +147,7 @@ def test_client_cancellation_frees_the_queue_slot(handle: ServerThread, client: 
         wait_for(lambda: admission.admitted == 0, 10, "all slots to be free")
     finally:
         os.kill(pid, signal.SIGCONT)
-    header, rows = client.embed(png(14))
+    header, rows = client.embed(png(96, 64, seed=14))
     assert rows.shape[0] == header.num_tokens
     assert client.health() == "SERVING"
 
@@ -164,10 +156,6 @@ def test_client_cancellation_frees_the_queue_slot(handle: ServerThread, client: 
 # SIGTERM to a real `kimi-vision serve`
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gauge(metrics_port: int, name: str) -> float:
@@ -179,7 +167,7 @@ def _gauge(metrics_port: int, name: str) -> float:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     """A `kimi-vision serve` subprocess with a small admission capacity (1 working + 2 queued)."""
-    metrics_port = _free_port()
+    metrics_port = free_port()
     log = tmp_path_factory.mktemp("faults") / "serve.log"
     args = ["--devices", "cpu:1", "--metrics-port", str(metrics_port), "--drain-seconds", "60",
             "--max-concurrency", "1", "--max-queue", "2", "--cache-mb", "16"]
@@ -208,12 +196,12 @@ def test_sigterm_drains_and_exits_0(served: ServeProcess, pool_ex: ThreadPoolExe
     (worker,) = served.encoder_workers()
     worker.suspend()  # SIGSTOP: the in-flight request stays in flight until we say so
     try:
-        inflight = pool_ex.submit(client.embed, png(20))
+        inflight = pool_ex.submit(client.embed, png(96, 64, seed=20))
         wait_for(lambda: _gauge(served.metrics_port, "kimi_vision_inflight_requests") == 1, 60, "a request in flight")
         served.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: client.health() == "NOT_SERVING", 10, "health NOT_SERVING after SIGTERM")
         with pytest.raises(grpc.RpcError) as info:
-            client.preprocess(png(21))
+            client.preprocess(png(96, 64, seed=21))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert not inflight.done()
     finally:

@@ -11,47 +11,35 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import io
 import sys
 import threading
 import tracemalloc
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from PIL import Image
+from images import png
 
 import vision.decode
-from service.checkpoints.make import make_checkpoint
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
 from service.engine.worker import ImageEncoder, pack_bytes, serve, unpack_bytes, unpack_rows
 from tests.conftest import REPO_ROOT
 from vision import DEFAULT_LIMITS, DEFAULT_OPTIONS, ImageDecodeError, ImageOptions, plan_image, preprocess_image
-from vision.encoder import VisionEncoder
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
-def png(w: int, h: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 def key(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("header-reads") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    loaded = Engine.load(EngineConfig(checkpoint=str(checkpoint), devices="cpu:1", components="vision",
+def engine(tiny_checkpoint):
+    loaded = Engine.load(EngineConfig(checkpoint=str(tiny_checkpoint), devices="cpu:1", components="vision",
                                       keep_freed_bytes=0))
     yield loaded
     loaded.close()
@@ -75,7 +63,7 @@ def header_reads(monkeypatch) -> collections.Counter:
 
 
 async def test_embed_reads_each_header_once_in_the_server(engine, header_reads):
-    images = [png(56, 84, 1), png(300, 200, 2), png(28, 28, 3)]
+    images = [png(56, 84, seed=1), png(300, 200, seed=2), png(28, 28, seed=3)]
     answered = engine.pool.health()["workers"][0]["answered"]
     first = await engine.embed([ImageInput(data) for data in images])
     assert header_reads == {key(data): 1 for data in images}
@@ -88,14 +76,14 @@ async def test_embed_reads_each_header_once_in_the_server(engine, header_reads):
     assert all(torch.equal(a.rows, b.rows) for a, b in zip(first, again, strict=True))
 
 
-def test_the_worker_reads_each_header_once_and_never_plans(checkpoint, header_reads):
+def test_the_worker_reads_each_header_once_and_never_plans(tiny_encoder, header_reads):
     """The worker's own loop over real queues, sent what the pool sends: small bytes pickled,
     large ones (over `inline_bytes`) as a shared-memory tensor read in place."""
-    encoder = VisionEncoder.from_checkpoint(checkpoint)
+    encoder = tiny_encoder
     inline_bytes = 4096
-    images = [(png(56, 84, 1), DEFAULT_OPTIONS), (png(300, 200, 2), ImageOptions(max_tokens=64)),
+    images = [(png(56, 84, seed=1), DEFAULT_OPTIONS), (png(300, 200, seed=2), ImageOptions(max_tokens=64)),
               ((REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes(), DEFAULT_OPTIONS)]
-    broken = png(90, 90, 4)
+    broken = png(90, 90, seed=4)
     broken = broken[: len(broken) * 3 // 5]  # the header reads, the pixels do not decode
     images.append((broken, DEFAULT_OPTIONS))
     assert min(len(d) for d, _ in images) <= inline_bytes < max(len(d) for d, _ in images)
@@ -123,14 +111,14 @@ def test_the_worker_reads_each_header_once_and_never_plans(checkpoint, header_re
     requests.close()
 
 
-def test_a_shared_memory_payload_is_never_copied_whole(checkpoint):
+def test_a_shared_memory_payload_is_never_copied_whole(tiny_encoder):
     """Python-heap high-water mark (tracemalloc) of a worker encoding a 3.9 MB PNG from shared
     memory, buffers warm: a copy of the payload (`bytes(view)`, `io.BytesIO(view)`) would be over
     3.9 MB; measured 0.6 MB (host patchify) and 0.14 MB (device)."""
-    data = png(1300, 1000, 5)
+    data = png(1300, 1000, seed=5)
     options = ImageOptions(max_tokens=64)
     plan = plan_image(data, options)
-    encoder = VisionEncoder.from_checkpoint(checkpoint)
+    encoder = tiny_encoder
     for patchify in ("host", "device"):
         worker = ImageEncoder(encoder, DEFAULT_LIMITS, patchify)
         view = unpack_bytes(pack_bytes(data, 0))
@@ -149,7 +137,7 @@ def test_a_shared_memory_payload_is_never_copied_whole(checkpoint):
 async def test_an_image_a_worker_refuses_is_named_and_counted_once(engine):
     """Pixels the header did not show are found by the worker: its error reaches the caller as a
     header error does, prefixed with the image's place in the chat, same class, counted once."""
-    truncated = png(120, 90, 6)
+    truncated = png(120, 90, seed=6)
     truncated = truncated[: len(truncated) // 2]
     assert plan_image(truncated).num_tokens > 0  # the header is sound
     with pytest.raises(ImageDecodeError) as here:

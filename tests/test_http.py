@@ -35,7 +35,7 @@ from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 from openai_schema import ChatCompletion, ChatCompletionChunk, EncoderCompletion, ErrorResponse
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from serve_process import ServeProcess
+from serve_process import ServeProcess, free_port
 
 from service.checkpoints.default import default_checkpoint_dir
 from service.openai.request import VLLM_CHAT_PARAMETERS
@@ -117,14 +117,6 @@ def producer_http(producer):
 def producer_rpc(producer):
     with VisionClient(producer.target, timeout=120) as client:
         yield client
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _error(reply: httpx.Response, status: int, words: str) -> None:
@@ -267,7 +259,7 @@ class _Decoder(ThreadingHTTPServer):
 
 def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path) -> tuple[subprocess.Popen, int]:
     """vLLM's proxy as its example runs it, E + PD on 127.0.0.1; back once its /health says all are up."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(script), "--host", "127.0.0.1", "--port", str(port),
                              "--encode-servers-urls", f"http://127.0.0.1:{encoder_port}",
                              "--prefill-servers-urls", "none", "--decode-servers-urls",
@@ -421,7 +413,7 @@ def test_every_face_reports_a_bad_sampling_value_alike(http, rpc, server, tmp_pa
 
 
 def test_health_follows_warm_up_and_drain_and_the_token_guards_the_api(tmp_path):
-    port = _free_port()
+    port = free_port()
     statuses: list[int] = []
     proc = ServeProcess.launch(["--devices", "cpu:1", "--http-port", str(port), "--drain-seconds", "30"],
                                log_path=tmp_path / "serve.log", env={"KIMI_VISION_AUTH_TOKEN": TOKEN})

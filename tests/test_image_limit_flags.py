@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from large_images import MIB, check_limited_rows, limit_images
+from images import MIB, check_limited_rows, limit_images
 
 from service.cli import main as cli_main
 from service.cli import serve

@@ -24,7 +24,6 @@ from service.batch.inputs import load_items
 from service.batch.ray_engine import run_ray_job
 from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
-from service.checkpoints.default import default_checkpoint_dir
 from service.engine import Engine, EngineConfig, ImageInput
 from service.rpc.client import VisionClient
 from service.server import ServerConfig, ServerThread
@@ -34,9 +33,6 @@ NAMES = ["photo.jpg", "sticker_rgba.png", "palette_transparent.png"]
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def checkpoint() -> Path:
-    return default_checkpoint_dir()
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +44,8 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    loaded = Engine.load(EngineConfig(checkpoint=checkpoint, devices="cpu:1", cache_bytes=0))
+def engine(tiny_checkpoint):
+    loaded = Engine.load(EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0))
     yield loaded
     loaded.close()
 
@@ -94,14 +90,14 @@ def _assert_same(got: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -
         np.testing.assert_array_equal(got[name], reference[name], err_msg=name)
 
 
-def test_grpc_embed(checkpoint, folder, reference):
-    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=checkpoint, devices="cpu:1")) as server, \
+def test_grpc_embed(tiny_checkpoint, folder, reference):
+    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1")) as server, \
             VisionClient(server.target, timeout=120) as client:
         got = {name: client.embed((folder / name).read_bytes())[1] for name in NAMES}
     _assert_same(got, reference)
 
 
-def test_batch_in_process_and_through_a_server(checkpoint, engine, folder, reference, tmp_path):
+def test_batch_in_process_and_through_a_server(tiny_checkpoint, engine, folder, reference, tmp_path):
     _assert_same(_job(EngineBackend(engine), folder, tmp_path / "local.jsonl"), reference)
 
     async def via_server(target: str) -> None:
@@ -113,16 +109,16 @@ def test_batch_in_process_and_through_a_server(checkpoint, engine, folder, refer
         finally:
             await backend.close()
 
-    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=checkpoint, devices="cpu:1")) as server:
+    with ServerThread(ServerConfig(port=0), EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1")) as server:
         asyncio.run(via_server(server.target))
     _assert_same(_shard_rows(tmp_path / "server.jsonl"), reference)
 
 
-def test_batch_on_ray(checkpoint, folder, reference, tmp_path):
+def test_batch_on_ray(tiny_checkpoint, folder, reference, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         output = tmp_path / "ray.jsonl"
-        summary = run_ray_job(EMBED, load_items(folder, EMBED), output, resume=False, checkpoint=checkpoint,
+        summary = run_ray_job(EMBED, load_items(folder, EMBED), output, resume=False, checkpoint=tiny_checkpoint,
                               base_dir=folder, concurrency=1, options=RunOptions(tty=False))
         assert summary.ok == len(NAMES)
     finally:
@@ -130,9 +126,9 @@ def test_batch_on_ray(checkpoint, folder, reference, tmp_path):
     _assert_same(_shard_rows(output), reference)
 
 
-def test_embed_command(checkpoint, folder, reference, tmp_path):
+def test_embed_command(tiny_checkpoint, folder, reference, tmp_path):
     out = tmp_path / "embed.safetensors"
-    done = subprocess.run([sys.executable, "-m", "service.cli", "embed", "--checkpoint", str(checkpoint),
+    done = subprocess.run([sys.executable, "-m", "service.cli", "embed", "--checkpoint", str(tiny_checkpoint),
                            "--workers", "1", "--out", str(out), *(str(folder / n) for n in NAMES)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,6 @@ metadata and HTTP headers, and (last, on the same process) SIGTERM with health W
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import signal
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import grpc
 import httpx
-import numpy as np
 import pytest
 from certificates import self_signed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
+from images import png
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess
 
@@ -38,11 +36,6 @@ SERVICE = "kimi.vision.v1.VisionService"
 pytestmark = pytest.mark.timeout(300)
 
 
-def _png(seed: int = 0, size: int = 56) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +122,7 @@ def test_plaintext_health_port_with_tls_and_token_on_the_main_port(server, probe
     # Health alone: the service itself is not there, with or without a token.
     stub = pb_grpc.VisionServiceStub(probe_channel)
     with pytest.raises(grpc.RpcError) as info:
-        stub.CountTokens(pb.CountTokensRequest(image=image(_png())), metadata=auth_metadata(TOKEN), timeout=10)
+        stub.CountTokens(pb.CountTokensRequest(image=image(png(56, 56))), metadata=auth_metadata(TOKEN), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # The main port still takes TLS only: a plaintext probe there cannot reach health.
     with grpc.insecure_channel(server.target) as plaintext:
@@ -144,14 +137,15 @@ def test_plaintext_health_port_with_tls_and_token_on_the_main_port(server, probe
 
 def test_metrics_by_convention_on_metrics_only(server, channel, tls) -> None:
     stub = pb_grpc.VisionServiceStub(channel)
-    assert stub.CountTokens(pb.CountTokensRequest(image=image(_png(1))), timeout=60).num_tokens == 4
+    assert stub.CountTokens(pb.CountTokensRequest(image=image(png(56, 56, seed=1))), timeout=60).num_tokens == 4
     with pytest.raises(grpc.RpcError):
         stub.CountTokens(pb.CountTokensRequest(image=image(b"not an image")), timeout=60)
     with grpc.secure_channel(server.target, grpc.ssl_channel_credentials(tls["cert"].read_bytes())) as anon:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.VisionServiceStub(anon).CountTokens(pb.CountTokensRequest(image=image(_png(1))), timeout=30)
+            request = pb.CountTokensRequest(image=image(png(56, 56, seed=1)))
+            pb_grpc.VisionServiceStub(anon).CountTokens(request, timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    list(stub.Embed(pb.EmbedRequest(image=image(_png(2))), timeout=60))
+    list(stub.Embed(pb.EmbedRequest(image=image(png(56, 56, seed=2))), timeout=60))
     with _https(server, tls) as http:
         assert http.get("/v1/models", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
         assert http.get("/no/such/path").status_code == 404
@@ -193,17 +187,17 @@ def test_metrics_by_convention_on_metrics_only(server, channel, tls) -> None:
 
 def test_json_logs_carry_the_callers_request_id(server, channel, probe_channel, tls) -> None:
     stub = pb_grpc.VisionServiceStub(channel)
-    reply, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(_png(3))),
+    reply, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(png(56, 56, seed=3))),
                                              metadata=(("x-request-id", "ops-req-0001"),), timeout=60)
     assert reply.num_tokens == 4 and ("x-request-id", "ops-req-0001") in call.trailing_metadata()
     with pytest.raises(grpc.RpcError) as info:  # a refused call carries its id back too
         stub.Preprocess(pb.PreprocessRequest(image=image(b"\x89PNG broken")), metadata=(("x-request-id", "ops-bad-2"),),
                         timeout=60)
     assert ("x-request-id", "ops-bad-2") in info.value.trailing_metadata()
-    _, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(_png(3))), timeout=60)
+    _, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(png(56, 56, seed=3))), timeout=60)
     generated = dict(call.trailing_metadata())["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
-    _, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(_png(3))),
+    _, call = stub.CountTokens.with_call(pb.CountTokensRequest(image=image(png(56, 56, seed=3))),
                                          metadata=(("x-request-id", "x" * 500),), timeout=60)
     assert re.fullmatch(r"[0-9a-f]{32}", dict(call.trailing_metadata())["x-request-id"])  # too long: replaced
     health = health_pb2_grpc.HealthStub(probe_channel)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from textcore import parser as p
 from textcore import tokenizer as tk
 from textcore.chat import render
-from textcore.tiny_vocab import write_tiny_tokenizer
 from textcore.tokenizer import Tokenizer, TokenizerError
 
 MARKERS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", 'key="x"', "&amp;", "&quot;"]
@@ -22,21 +21,18 @@ json_value = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(text, inner, max_size=3)), max_leaves=6)
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_pretrained(write_tiny_tokenizer(tmp_path_factory.mktemp("tiny")))
 
 
-def completion_ids(tok: Tokenizer, message: dict, thinking: bool = True) -> list[int]:
+def completion_ids(tiny_tokenizer: Tokenizer, message: dict, thinking: bool = True) -> list[int]:
     """What the model emits after the generation prompt for `message` (the rendered turn minus the prompt)."""
     turn = render([message], add_generation_prompt=False, thinking_effort=None, thinking=thinking)
     prompt = render([], thinking_effort=None, thinking=thinking)
     assert turn[:len(prompt)] == prompt
-    return tok.encode_segments(turn[len(prompt):])
+    return tiny_tokenizer.encode_segments(turn[len(prompt):])
 
 
-def feed_split(tok: Tokenizer, ids: list[int], cuts: list[int], thinking: bool = True):
-    parser = p.StreamParser(tok, thinking=thinking)
+def feed_split(tiny_tokenizer: Tokenizer, ids: list[int], cuts: list[int], thinking: bool = True):
+    parser = p.StreamParser(tiny_tokenizer, thinking=thinking)
     events, start = [], 0
     for cut in sorted(set(cuts)) + [len(ids)]:
         events += parser.feed(ids[start:cut])
@@ -71,8 +67,8 @@ def assistant_turns(draw):
 
 @settings(max_examples=80, deadline=None)
 @given(message=assistant_turns(), data=st.data())
-def test_round_trip_and_split_invariance(tok, message, data):
-    ids = completion_ids(tok, message)
+def test_round_trip_and_split_invariance(tiny_tokenizer, message, data):
+    ids = completion_ids(tiny_tokenizer, message)
     expected = {
         "reasoning_content": message["reasoning_content"] if message["reasoning_content"].strip() else "",
         "content": message["content"],
@@ -80,20 +76,20 @@ def test_round_trip_and_split_invariance(tok, message, data):
                         "errors": []} for k, c in enumerate(message.get("tool_calls", []), start=1)],
         "stopped": True,
     }
-    whole_events, whole = feed_split(tok, ids, [])
+    whole_events, whole = feed_split(tiny_tokenizer, ids, [])
     assert whole == expected
     assert not [e for e in whole_events if isinstance(e, p.ProtocolError | p.ToolArgumentError)]
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=12))
-    assert feed_split(tok, ids, cuts) == (whole_events, whole)
-    one_by_one = feed_split(tok, ids, list(range(len(ids))))
+    assert feed_split(tiny_tokenizer, ids, cuts) == (whole_events, whole)
+    one_by_one = feed_split(tiny_tokenizer, ids, list(range(len(ids))))
     assert one_by_one == (whole_events, whole)
 
 
-def test_call_is_announced_before_any_argument_byte(tok):
+def test_call_is_announced_before_any_argument_byte(tiny_tokenizer):
     message = {"role": "assistant", "content": "ok", "tool_calls": [
         {"function": {"name": "bash", "arguments": {"command": "ls -la", "timeout": 30}}}]}
-    ids = completion_ids(tok, message)
-    parser = p.StreamParser(tok)
+    ids = completion_ids(tiny_tokenizer, message)
+    parser = p.StreamParser(tiny_tokenizer)
     seen: list = []
     for i, token_id in enumerate(ids):
         events = parser.feed([token_id])
@@ -109,17 +105,18 @@ def test_call_is_announced_before_any_argument_byte(tok):
                                                                                                 "30")]
 
 
-def _call_ids(tok: Tokenizer, *arguments: tuple[str, str, str]) -> list[int]:
+def _call_ids(tiny_tokenizer: Tokenizer, *arguments: tuple[str, str, str]) -> list[int]:
     body = "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>' for k, t, v in arguments)
-    return tok.encode('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
-                      f'<|open|>call tool="f" index="1"<|sep|>{body}<|close|>call<|sep|><|close|>tools<|sep|>'
-                      "<|close|>message<|sep|><|end_of_msg|>", allow_special=True)
+    return tiny_tokenizer.encode(
+        '<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+        f'<|open|>call tool="f" index="1"<|sep|>{body}<|close|>call<|sep|><|close|>tools<|sep|>'
+        "<|close|>message<|sep|><|end_of_msg|>", allow_special=True)
 
 
-def test_a_bad_argument_does_not_poison_its_siblings(tok):
-    ids = _call_ids(tok, ("a", "number", "12"), ("b", "number", "twelve"), ("c", "object", "[1]"),
+def test_a_bad_argument_does_not_poison_its_siblings(tiny_tokenizer):
+    ids = _call_ids(tiny_tokenizer, ("a", "number", "12"), ("b", "number", "twelve"), ("c", "object", "[1]"),
                     ("d", "boolean", "true"), ("e", "mystery", "1"), ("a", "string", "again"))
-    parser = p.StreamParser(tok)
+    parser = p.StreamParser(tiny_tokenizer)
     events = parser.feed(ids)
     errors = [(e.key, e.message) for e in events if isinstance(e, p.ToolArgumentError)]
     assert [key for key, _ in errors] == ["b", "c", "e", "a"]
@@ -130,22 +127,23 @@ def test_a_bad_argument_does_not_poison_its_siblings(tok):
     assert [e["key"] for e in call["errors"]] == ["b", "c", "e", "a"]
 
 
-def test_unparsable_arguments_come_back_as_a_json_block_error(tok):
+def test_unparsable_arguments_come_back_as_a_json_block_error(tiny_tokenizer):
     message = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
-    parser = p.StreamParser(tok)
-    events = parser.feed(completion_ids(tok, message))
+    parser = p.StreamParser(tiny_tokenizer)
+    events = parser.feed(completion_ids(tiny_tokenizer, message))
     assert [e for e in events if isinstance(e, p.ToolArgumentError)][0].raw == "{oops"
     good = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]}
-    ids = tok.encode('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>'
-                     '{"x": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', allow_special=True)
-    parser = p.StreamParser(tok, thinking=False)
-    parser.feed(tok.encode("<|close|>response<|sep|>", allow_special=True) + ids)
+    ids = tiny_tokenizer.encode(
+        '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>'
+        '{"x": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', allow_special=True)
+    parser = p.StreamParser(tiny_tokenizer, thinking=False)
+    parser.feed(tiny_tokenizer.encode("<|close|>response<|sep|>", allow_special=True) + ids)
     assert parser.finish()["tool_calls"][0]["arguments"] == good["tool_calls"][0]["function"]["arguments"]
 
 
-def test_stop_truncation_and_stray_tokens(tok):
-    parser = p.StreamParser(tok, thinking=False)
-    events = parser.feed(tok.encode("hi<|media_pad|> there<|close|>response<|sep|><|close|>message<|sep|>"
+def test_stop_truncation_and_stray_tokens(tiny_tokenizer):
+    parser = p.StreamParser(tiny_tokenizer, thinking=False)
+    events = parser.feed(tiny_tokenizer.encode("hi<|media_pad|> there<|close|>response<|sep|><|close|>message<|sep|>"
                                     "<|end_of_msg|>more<|end_of_msg|>", allow_special=True))
     assert events[-2] == p.Stop(tk.END_OF_MSG_ID)
     assert isinstance(events[-1], p.ProtocolError) and "after <|end_of_msg|>" in events[-1].message
@@ -154,18 +152,19 @@ def test_stop_truncation_and_stray_tokens(tok):
     with pytest.raises(RuntimeError):
         parser.feed([1])
 
-    truncated = p.StreamParser(tok)
-    truncated.feed(_call_ids(tok, ("a", "string", "complete"), ("b", "string", "cut off"))[:-14])
+    truncated = p.StreamParser(tiny_tokenizer)
+    truncated.feed(_call_ids(tiny_tokenizer, ("a", "string", "complete"), ("b", "string", "cut off"))[:-14])
     result = truncated.finish()
     assert result["stopped"] is False
     assert result["tool_calls"][0]["arguments"] == {"a": "complete"}
     assert {e["message"] for e in result["tool_calls"][0]["errors"]} >= {"the argument was not closed"}
 
 
-def test_grammar_violations_are_reported_not_fatal(tok):
-    parser = p.StreamParser(tok)
-    events = parser.feed(tok.encode("r<|close|>think<|sep|>loose text<|open|>banner<|sep|>x<|close|>banner<|sep|>"
-                                    "<|open|>response<|sep|>c<|close|>nothing<|sep|>", allow_special=True))
+def test_grammar_violations_are_reported_not_fatal(tiny_tokenizer):
+    parser = p.StreamParser(tiny_tokenizer)
+    events = parser.feed(tiny_tokenizer.encode(
+        "r<|close|>think<|sep|>loose text<|open|>banner<|sep|>x<|close|>banner<|sep|>"
+        "<|open|>response<|sep|>c<|close|>nothing<|sep|>", allow_special=True))
     messages = [e.message for e in events if isinstance(e, p.ProtocolError)]
     assert any("loose text" in m for m in messages)
     assert any("'banner' is not expected inside message" in m for m in messages)
@@ -173,24 +172,24 @@ def test_grammar_violations_are_reported_not_fatal(tok):
     assert parser.finish()["reasoning_content"] == "r" and parser.finish()["content"] == "c"
 
 
-def test_multibyte_characters_split_across_tokens(tok):
+def test_multibyte_characters_split_across_tokens(tiny_tokenizer):
     message = {"role": "assistant", "reasoning_content": "思考 👋🏽", "content": "你好 🇯🇵"}
-    ids = completion_ids(tok, message)
-    events, result = feed_split(tok, ids, list(range(len(ids))))
+    ids = completion_ids(tiny_tokenizer, message)
+    events, result = feed_split(tiny_tokenizer, ids, list(range(len(ids))))
     assert result["reasoning_content"] == "思考 👋🏽" and result["content"] == "你好 🇯🇵"
     assert "\ufffd" not in "".join(getattr(e, "text", "") for e in events)
 
 
-def test_ids_outside_the_vocabulary_are_refused(tok):
+def test_ids_outside_the_vocabulary_are_refused(tiny_tokenizer):
     with pytest.raises(TokenizerError):
-        p.StreamParser(tok).feed([tok.num_base_tokens + 5])
+        p.StreamParser(tiny_tokenizer).feed([tiny_tokenizer.num_base_tokens + 5])
 
 
-def test_stopping_inside_a_call_settles_it(tok):
-    ids = tok.encode('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+def test_stopping_inside_a_call_settles_it(tiny_tokenizer):
+    ids = tiny_tokenizer.encode('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
                      '<|open|>argument key="a" type="number"<|sep|>1<|close|>argument<|sep|>'
                      '<|open|>argument key="b" type="string"<|sep|>half<|end_of_msg|>', allow_special=True)
-    parser = p.StreamParser(tok)
+    parser = p.StreamParser(tiny_tokenizer)
     events = parser.feed(ids)
     assert [type(e).__name__ for e in events[-3:]] == ["ToolArgumentError", "ToolCallEnd", "Stop"]
     result = parser.finish()

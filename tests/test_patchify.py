@@ -3,12 +3,10 @@ host path (vision.preprocess.patchify_normalise), and the caller-owned output bu
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import png
 
 from vision import preprocess_image
 from vision.buffers import BufferPool
@@ -60,16 +58,12 @@ def test_both_paths_refuse_what_is_not_a_padded_uint8_image():
         patchify_normalise(np.zeros((28, 30, 3), np.uint8))
 
 
-def _png(w: int, h: int, seed: int) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(out, "PNG")
-    return out.getvalue()
 
 
 def test_outputs_built_in_caller_buffers_equal_fresh_ones():
     images, patches = BufferPool(np.uint8), BufferPool(np.float32)
     for w, h, seed in [(300, 200, 1), (60, 90, 2), (301, 199, 3)]:  # large, small (stale bytes after it), large
-        data = _png(w, h, seed)
+        data = png(w, h, seed=seed)
         fresh = preprocess_image(data)
         plan = plan_image(data)
         with images.take(plan.image_bytes) as buffer, patches.take(plan.pixel_values_size) as values:
@@ -87,7 +81,7 @@ def test_outputs_built_in_caller_buffers_equal_fresh_ones():
 
 
 def test_output_buffers_that_do_not_fit_are_refused_before_decoding():
-    data = _png(56, 56, 4)
+    data = png(56, 56, seed=4)
     with pytest.raises(ValueError, match="out holds 9407 values; this image needs 9408"):
         preprocess_image(data[:200], out=np.empty(56 * 56 * 3 - 1, np.uint8))  # truncated: refused first
     with pytest.raises(ValueError, match="writable C-contiguous uint8"):

@@ -14,12 +14,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from images import png
 from page_faults import fresh_faults
 
-from service.checkpoints.make import make_checkpoint
 from service.engine.allocator import KEEP_FREED_BYTES
 from service.engine.pool import EncoderPool, PoolClosedError, WorkerDiedError, held_bytes, resolve_devices
 from service.errors import Kind
@@ -34,21 +33,9 @@ from vision import (
     preprocess_image,
 )
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
-from vision.encoder import VisionEncoder
-
-
-def png(rows: int, cols: int, seed: int) -> bytes:
-    """A noise PNG whose padded model input is exactly `rows` x `cols` patches (no resize)."""
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (rows * 14, cols * 14, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
 
 # Patch grids (rows, columns): 24, 1024, 20, 4, 1200 and 100 patches.
-ITEMS = [png(h, w, i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2, 2), (30, 40), (2, 50)])]
+ITEMS = [png(14 * w, 14 * h, seed=i) for i, (h, w) in enumerate([(4, 6), (32, 32), (10, 2), (2, 2), (30, 40), (2, 50)])]
 
 
 def submit(pool: EncoderPool, data: bytes, options: ImageOptions = DEFAULT_OPTIONS):
@@ -61,24 +48,20 @@ def encode(pool: EncoderPool, datas: list[bytes]) -> list[torch.Tensor]:
     return [f.result(60) for f in futures]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("pool") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
+def reference(tiny_encoder):
     torch.set_num_threads(1)
     try:
-        encoder = VisionEncoder.from_checkpoint(ckpt)
-        return [encoder.encode([preprocess_image(data)])[0] for data in ITEMS]
+        return [tiny_encoder.encode([preprocess_image(data)])[0] for data in ITEMS]
     finally:
         torch.set_num_threads(os.cpu_count() or 1)
 
 
 @pytest.fixture(scope="module")
-def pool2(ckpt):
-    with EncoderPool(ckpt, workers=2, threads_per_worker=1) as pool:
+def pool2(tiny_checkpoint):
+    with EncoderPool(tiny_checkpoint, workers=2, threads_per_worker=1) as pool:
         yield pool
 
 
@@ -95,8 +78,8 @@ def alive(pid: int) -> bool:
     return stat_fields(pid)[0] != "Z"
 
 
-def test_two_workers_equal_one_worker_and_in_process(ckpt, pool2, reference):
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool1:
+def test_two_workers_equal_one_worker_and_in_process(tiny_checkpoint, pool2, reference):
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1) as pool1:
         one = encode(pool1, ITEMS)
         pids = [w["pid"] for w in pool1.health()["workers"]]
     two = encode(pool2, ITEMS)
@@ -166,8 +149,8 @@ def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2,
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(ckpt, reference):
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool:
+def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(tiny_checkpoint, reference):
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1) as pool:
         pid = pool.health()["workers"][0]["pid"]
         os.kill(pid, signal.SIGSTOP)  # the worker takes nothing while the client gives up
         try:
@@ -190,27 +173,22 @@ def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(ckpt, referenc
         assert (worker["answered"], worker["outstanding_patches"]) == (3, 0)
 
 
-def _png(seed: int, size: int = 56) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size + 14 * seed, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
-async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckpt):
+async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(tiny_checkpoint):
     """What a gRPC deadline or cancellation does to `Engine.embed` (the server's handler
     task is cancelled): images not sent to a worker yet are never encoded."""
     from service.engine import Engine, EngineConfig, ImageInput
 
-    engine = Engine.load(EngineConfig(checkpoint=str(ckpt), devices="cpu:1", cache_bytes=0, keep_freed_bytes=0))
+    engine = Engine.load(EngineConfig(checkpoint=str(tiny_checkpoint), devices="cpu:1", cache_bytes=0,
+                                      keep_freed_bytes=0))
     pool = engine.pool
     pid = pool.health()["workers"][0]["pid"]
     os.kill(pid, signal.SIGSTOP)  # the worker takes nothing more than the first two images
     try:
         # Cancelled once all its images are queued: wrap_future cancels the pool futures.
-        call = asyncio.ensure_future(engine.embed([ImageInput(_png(seed)) for seed in range(6)]))
+        images = [ImageInput(png(56 + 14 * seed, 56, seed=seed)) for seed in range(6)]
+        call = asyncio.ensure_future(engine.embed(images))
         deadline = time.monotonic() + 60
         while (w := pool.health()["workers"][0])["inflight"] + w["pending"] < 6:
             assert time.monotonic() < deadline, w
@@ -222,7 +200,8 @@ async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckp
         assert (worker["inflight"], worker["pending"]) == (2, 0)
         # Cancelled while its images are still being preprocessed: the ones queued after that are withdrawn too.
         # (Larger images, so the cancellation usually lands while some are preprocessed.)
-        call = asyncio.ensure_future(engine.embed([ImageInput(_png(seed, 448)) for seed in range(6, 12)]))
+        images = [ImageInput(png(448 + 14 * seed, 448, seed=seed)) for seed in range(6, 12)]
+        call = asyncio.ensure_future(engine.embed(images))
         await asyncio.sleep(0.01)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -235,8 +214,8 @@ async def test_cancelled_embed_call_withdraws_its_images_waiting_in_the_pool(ckp
         engine.close()
 
 
-def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(ckpt, reference):
-    pool = EncoderPool(ckpt, workers=1, threads_per_worker=1)
+def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(tiny_checkpoint, reference):
+    pool = EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1)
     pid = pool.health()["workers"][0]["pid"]
     closer = threading.Thread(target=pool.close, kwargs={"timeout_s": 60})
     os.kill(pid, signal.SIGSTOP)
@@ -258,11 +237,12 @@ def test_close_fails_waiting_requests_at_once_and_finishes_sent_ones(ckpt, refer
     assert not alive(pid)
 
 
-def test_worker_rows_equal_in_process_encoding_and_a_bad_body_fails_only_its_future(ckpt, pool2, torch_one_thread):
+def test_worker_rows_equal_in_process_encoding_and_a_bad_body_fails_only_its_future(tiny_encoder, pool2,
+                                                                                     torch_one_thread):
     """The worker's rows for encoded bytes (with options) equal exactly what this process gets from
     the same bytes; a body that does not decode fails only its own future, with the error
     `preprocess_image` raises here, and no worker dies over it."""
-    encoder = VisionEncoder.from_checkpoint(ckpt)
+    encoder = tiny_encoder
     names = ["photo.jpg", "sticker_rgba.png", "palette_transparent.png", "wide_strip.png"]
     datas = [(REPO_ROOT / "samples" / name).read_bytes() for name in names]
     options = ImageOptions(max_tokens=256)
@@ -283,19 +263,19 @@ def test_worker_rows_equal_in_process_encoding_and_a_bad_body_fails_only_its_fut
     assert torch.equal(submit(pool2, datas[1], options).result(60), expected[1])
 
 
-def test_workers_check_the_pool_limits_too(ckpt):
+def test_workers_check_the_pool_limits_too(tiny_checkpoint):
     """The engine reads headers against its limits first; a worker checks the same limits as it decodes."""
     data = ITEMS[1]  # 448 x 448
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1, limits=Limits(max_pixels=1000)) as pool:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, limits=Limits(max_pixels=1000)) as pool:
         with pytest.raises(ImageTooLargeError, match="pixel limit"):
             pool.submit(data, DEFAULT_OPTIONS, plan_image(data)).result(60)
 
 
-def test_large_payloads_through_shared_memory_equal_pickled_ones(ckpt, reference):
+def test_large_payloads_through_shared_memory_equal_pickled_ones(tiny_checkpoint, reference):
     """With `inline_bytes=0` every request and result goes through shared memory instead of the pipes."""
     sticker = (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1, inline_bytes=0) as shared, \
-            EncoderPool(ckpt, workers=1, threads_per_worker=1) as pickled:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, inline_bytes=0) as shared, \
+            EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1) as pickled:
         for out, ref in zip(encode(shared, ITEMS), reference, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(submit(shared, sticker).result(60), submit(pickled, sticker).result(60))
@@ -305,14 +285,14 @@ def test_large_payloads_through_shared_memory_equal_pickled_ones(ckpt, reference
         torch.testing.assert_close(held[-1], reference[3], rtol=1e-5, atol=1e-5)
 
 
-def test_bad_checkpoint_fails_fast_before_spawning(ckpt, tmp_path, monkeypatch):
+def test_bad_checkpoint_fails_fast_before_spawning(tiny_checkpoint, tmp_path, monkeypatch):
     def no_spawn(*_):
         raise AssertionError("a worker was started for a checkpoint the parent can see is broken")
 
     monkeypatch.setattr(EncoderPool, "_start", no_spawn)
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         EncoderPool(tmp_path / "missing", workers=1)
-    src = Checkpoint(ckpt)
+    src = Checkpoint(tiny_checkpoint)
     tensors = {n: src.tensor(n) for n in src.names() if n != "mm_projector.post_norm.weight"}
     broken = write_checkpoint(tmp_path / "broken", tensors, src.config)
     with pytest.raises(CheckpointError, match=r"1 missing tensors: mm_projector\.post_norm\.weight"):
@@ -352,14 +332,14 @@ def test_results_hold_no_file_descriptors_and_callbacks_may_resubmit(pool2, refe
     torch.testing.assert_close(chained[0].result(30), reference[2], rtol=1e-5, atol=1e-5)
 
 
-def test_workers_exit_when_the_parent_is_killed(ckpt):
+def test_workers_exit_when_the_parent_is_killed(tiny_checkpoint):
     import subprocess
     import sys
 
     script = (
         "import sys, time\n"
         "from service.engine.pool import EncoderPool\n"
-        f"pool = EncoderPool({str(ckpt)!r}, workers=1, threads_per_worker=1)\n"
+        f"pool = EncoderPool({str(tiny_checkpoint)!r}, workers=1, threads_per_worker=1)\n"
         "print(*[w['pid'] for w in pool.health()['workers']], flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -376,11 +356,11 @@ def test_workers_exit_when_the_parent_is_killed(ckpt):
         time.sleep(0.05)
 
 
-def test_restart_after_kill_9_serves_again_within_a_second(ckpt, reference):
+def test_restart_after_kill_9_serves_again_within_a_second(tiny_checkpoint, reference):
     """Workers fork from a forkserver that has torch and the worker imported: after kill -9 the
     replacement serves without importing torch again. The figure is printed (`pytest -s`); the
     assertion is loose (3 s) because this machine is shared."""
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1) as pool:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1) as pool:
         torch.testing.assert_close(submit(pool, ITEMS[0]).result(60), reference[0], rtol=1e-5, atol=1e-5)
         took = []
         for _ in range(3):
@@ -399,10 +379,10 @@ def test_restart_after_kill_9_serves_again_within_a_second(ckpt, reference):
         assert max(took) < 3.0, took
 
 
-def test_workers_are_sent_only_the_images_they_can_hold(ckpt, reference):
+def test_workers_are_sent_only_the_images_they_can_hold(tiny_checkpoint, reference):
     """Two images of 1024 and 24 patches: with room for one, the second waits in the pool until
     the first is answered; an image larger than the room is still sent to an idle worker."""
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1, max_inflight_bytes=held_bytes(1024)) as pool:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, max_inflight_bytes=held_bytes(1024)) as pool:
         pid = pool.health()["workers"][0]["pid"]
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -414,19 +394,19 @@ def test_workers_are_sent_only_the_images_they_can_hold(ckpt, reference):
         torch.testing.assert_close(first.result(30), reference[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(second.result(30), reference[0], rtol=1e-5, atol=1e-5)
         assert pool.health()["workers"][0]["inflight_bytes"] == 0
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1, max_inflight_bytes=held_bytes(10)) as pool:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, max_inflight_bytes=held_bytes(10)) as pool:
         torch.testing.assert_close(submit(pool, ITEMS[4]).result(30), reference[4], rtol=1e-5, atol=1e-5)
 
 
-def test_device_side_patchify_in_the_workers_gives_the_same_rows(ckpt, pool2, torch_one_thread):
+def test_device_side_patchify_in_the_workers_gives_the_same_rows(tiny_checkpoint, pool2, torch_one_thread):
     """Patches built by the workers on their (CPU) device, from the staging buffer, equal those
     built on the host: the rows are bit-identical."""
     datas = ITEMS + [(REPO_ROOT / "samples" / name).read_bytes() for name in ("photo.jpg", "sticker_rgba.png")]
-    with EncoderPool(ckpt, workers=1, threads_per_worker=1, patchify="device") as device:
+    with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, patchify="device") as device:
         for data in datas:
             assert torch.equal(submit(device, data).result(60), submit(pool2, data).result(60))
     with pytest.raises(ValueError, match="patchify must be one of"):
-        EncoderPool(ckpt, workers=1, patchify="gpu")
+        EncoderPool(tiny_checkpoint, workers=1, patchify="gpu")
 
 
 def _minor_faults(pid: int) -> int:
@@ -434,7 +414,7 @@ def _minor_faults(pid: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
-def test_workers_keep_freed_image_buffers_for_the_next_image(ckpt):
+def test_workers_keep_freed_image_buffers_for_the_next_image(tiny_checkpoint):
     # A 12 MP JPEG decodes into ~48 MB of Pillow blocks (12,288 pages); a small token cap keeps the
     # tiny tower's share negligible. With glibc's defaults (what torch's import leaves) a worker
     # faulted every page in again for each image (measured: ~13,000 faults per image); keeping
@@ -447,7 +427,7 @@ def test_workers_keep_freed_image_buffers_for_the_next_image(ckpt):
     fresh = fresh_faults(4000 * 3000 * 4)  # what faulting the decoded blocks in afresh costs here
 
     def faults_of_the_last_image(keep_freed_bytes: int) -> int:
-        with EncoderPool(ckpt, workers=1, threads_per_worker=1, keep_freed_bytes=keep_freed_bytes) as pool:
+        with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, keep_freed_bytes=keep_freed_bytes) as pool:
             pid = pool.health()["workers"][0]["pid"]
             for _ in range(3):
                 before = _minor_faults(pid)

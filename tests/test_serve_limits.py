@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from large_images import MIB, padded_png
+from images import MIB, padded_png
 from serve_process import REPO_ROOT, ServeProcess, serve_command
 
 from service.rpc.client import VisionClient

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import re
 import time
 import urllib.request
@@ -21,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from PIL import Image
+from images import jpeg, png
 from safetensors.torch import load_file
+from serve_process import free_port
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
@@ -37,40 +37,14 @@ from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 pytestmark = pytest.mark.timeout(300)
 
 
-def _png(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
-    rng = np.random.default_rng(seed)
-    channels = {"RGB": 3, "RGBA": 4}[mode]
-    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, mode).save(buf, "PNG")
-    return buf.getvalue()
 
 
-def _jpeg(width: int, height: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _tiny_checkpoint(directory):
-    """The tiny random checkpoint the embedded default is made of (tower, MXFP4 trunk, tokenizer)."""
-    from service.checkpoints.make import make_checkpoint
-
-    return make_checkpoint(directory, "tiny", 0)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +54,12 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def metrics_port():
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, export_dir, metrics_port):
-    engine_config = EngineConfig(checkpoint=str(checkpoint), devices="cpu:1", max_images=4,
+def server(tiny_checkpoint, export_dir, metrics_port):
+    engine_config = EngineConfig(checkpoint=str(tiny_checkpoint), devices="cpu:1", max_images=4,
                                  ec_export_dir=str(export_dir))
     with ServerThread(ServerConfig(port=0, metrics_port=metrics_port), engine_config) as handle:
         yield handle
@@ -103,7 +77,7 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def stopper(server, checkpoint):
+def stopper(server, tiny_checkpoint):
     """A server whose trunk is rewired into a fixed bigram chain: after the generation prompt's last
     token (<|sep|>) it writes "a", then "b", then <|end_of_msg|> (shares the main server's pool).
 
@@ -117,7 +91,7 @@ def stopper(server, checkpoint):
 
     main = server.engine
     a, b = main.tokenizer.encode("a")[0], main.tokenizer.encode("b")[0]
-    model = KimiLinearForCausalLM.from_checkpoint(checkpoint, dtype=torch.float32)
+    model = KimiLinearForCausalLM.from_checkpoint(tiny_checkpoint, dtype=torch.float32)
     with torch.no_grad():
         for t in [*model.model.layers.parameters(), *model.model.layers.buffers()]:  # MXFP4 codes too
             t.zero_()
@@ -131,7 +105,7 @@ def stopper(server, checkpoint):
         head[a, :2] = torch.tensor([1.0, 0.0])  # after <|sep|>
         head[b, :2] = torch.tensor([0.0, 1.0])  # after "a"
         head[END_OF_MSG_ID, :2] = torch.tensor([-1.0, 0.0])  # after "b"
-    engine = Engine(EngineConfig(checkpoint=str(checkpoint)), main.tokenizer, main.pool, model)
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint)), main.tokenizer, main.pool, model)
     with ServerThread(ServerConfig(port=0), engine=engine) as handle:
         yield handle
     engine.cpu_executor.shutdown()
@@ -176,7 +150,7 @@ def test_not_serving_until_warm(tmp_path):
             with pytest.raises(Exception, match="checkpoint directory not found"):
                 handle.wait_ready()
             assert c.health() == "NOT_SERVING"
-            err = _code(lambda: c.count_tokens(_png(28, 28)))
+            err = _code(lambda: c.count_tokens(png(28, 28)))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "failed to load" in err.details()
     finally:
         handle.stop()
@@ -187,7 +161,7 @@ def test_not_serving_until_warm(tmp_path):
 
 
 def test_preprocess_matches_in_process(client):
-    data = _png(225, 223, seed=1, mode="RGBA")
+    data = png(225, 223, seed=1, mode="RGBA")
     ref = vision.preprocess_image(data)
     reply = client.preprocess(data)
     assert (reply.orig_width, reply.orig_height) == ref.orig_size == (225, 223)
@@ -208,11 +182,11 @@ def test_preprocess_matches_in_process(client):
 
 
 def test_count_tokens_image_and_chat(client):
-    data = _jpeg(1920, 1080)
+    data = jpeg(1920, 1080)
     assert client.count_tokens(data).num_tokens == 2691  # K3_FACTS example
     assert client.count_tokens(data).image_tokens == [2691]
-    small = _png(100, 60)
-    chat = [user("Compare", small, "with", _png(56, 56, 2))]
+    small = png(100, 60)
+    chat = [user("Compare", small, "with", png(56, 56, seed=2))]
     counted = client.count_tokens(messages=chat)
     encoded = client.encode(chat)
     assert counted.num_tokens == len(encoded.input_ids)
@@ -225,7 +199,7 @@ def test_count_tokens_image_and_chat(client):
 
 
 def test_embed_equals_projector_rows_and_is_cached(server, client):
-    data = _png(130, 90, seed=3)
+    data = png(130, 90, seed=3)
     ref = _pool_rows(server.engine, data)
     header, rows = client.embed(data)
     assert header.num_tokens == ref.shape[0] and header.hidden_size == ref.shape[1]
@@ -245,7 +219,7 @@ def test_embed_equals_projector_rows_and_is_cached(server, client):
 
 
 def test_embed_streams_in_chunks_of_at_most_4_mib(server):
-    data = _png(1400, 1400, seed=4)  # 2500 tokens x 64 x 4 B = 640 KB: one chunk at the tiny width
+    data = png(1400, 1400, seed=4)  # 2500 tokens x 64 x 4 B = 640 KB: one chunk at the tiny width
     with VisionClient(server.target, timeout=120) as c:
         chunks = list(c.stub.Embed(pb.EmbedRequest(image=pb.Image(data=data))))
     assert chunks[0].HasField("header")
@@ -254,7 +228,7 @@ def test_embed_streams_in_chunks_of_at_most_4_mib(server):
 
 
 def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
-    a, b, c = _png(100, 60, seed=5), _png(84, 84, seed=6), _png(60, 100, seed=7)
+    a, b, c = png(100, 60, seed=5), png(84, 84, seed=6), png(60, 100, seed=7)
     chat = [message("system", "Be brief."), user("First", a, "second", b), user("third", c, "done")]
     encoded = client.encode(chat)
     header, ids = encoded.header, encoded.input_ids
@@ -294,7 +268,7 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
 
 
 def test_same_image_twice_in_one_request(client):
-    data = _png(42, 42, seed=11)
+    data = png(42, 42, seed=11)
     encoded = client.encode([user("a", data, "b", data)])
     first, second = encoded.header.spans
     assert first.content_hash == second.content_hash and first.length == second.length == 4
@@ -303,7 +277,7 @@ def test_same_image_twice_in_one_request(client):
 
 
 def test_encode_writes_vllm_encoder_cache(server, client, export_dir):
-    data = _png(70, 70, seed=8)
+    data = png(70, 70, seed=8)
     encoded = client.encode([user("x", data)], export_vllm_ec=True)
     (span,) = encoded.header.spans
     # Named by the key vLLM looks the image up by: its mm_hash under the served model id.
@@ -326,7 +300,7 @@ def test_encode_writes_vllm_encoder_cache(server, client, export_dir):
 def test_generate_streams_and_stops_at_end_of_msg(stopper):
     with VisionClient(stopper.target, timeout=120) as c:
         events = list(c.generate([user("Say something")], max_new_tokens=8))
-        with_image = list(c.generate([user("Say something about", _png(56, 56))], max_new_tokens=8))
+        with_image = list(c.generate([user("Say something about", png(56, 56))], max_new_tokens=8))
     assert [e.WhichOneof("event") for e in events] == ["reasoning_delta", "reasoning_delta", "finish"]
     assert [e.reasoning_delta for e in events[:2]] == ["a", "b"]
     finish = events[-1].finish
@@ -336,7 +310,7 @@ def test_generate_streams_and_stops_at_end_of_msg(stopper):
 
 
 def test_generate_with_image_runs_to_length(client):
-    image = _png(90, 90, seed=9)
+    image = png(90, 90, seed=9)
     events = list(client.generate([user("What is this?", image)], max_new_tokens=5,
                                   sampling={"temperature": 0.8, "top_p": 0.9, "seed": 7}))
     finish = events[-1].finish
@@ -352,9 +326,9 @@ def test_generate_with_image_runs_to_length(client):
 async def test_async_client(server):
     async with AsyncVisionClient(server.target, timeout=120) as c:
         assert await c.health() == "SERVING"
-        reply = await c.preprocess(_png(56, 28))
+        reply = await c.preprocess(png(56, 28))
         assert reply.num_tokens == 2
-        header, rows = await c.embed(_png(56, 28))
+        header, rows = await c.embed(png(56, 28))
         assert rows.shape == (2, header.hidden_size)
         events = [e async for e in c.generate([user("hi")], max_new_tokens=2)]
         assert events[-1].finish.usage.completion_tokens == 2
@@ -374,11 +348,11 @@ def test_invalid_argument_names_the_problem(client):
     err = _code(lambda: client.preprocess(b"definitely not an image"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad image" in err.details()
     assert "Traceback" not in err.details()
-    err = _code(lambda: client.embed(_png(10, 10), dtype="int4"))
+    err = _code(lambda: client.embed(png(10, 10), dtype="int4"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.details()
-    err = _code(lambda: client.encode([user("look", _png(28, 28), b"GIF89a-truncated")]))
+    err = _code(lambda: client.encode([user("look", png(28, 28), b"GIF89a-truncated")]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].content[2]" in err.details()
-    err = _code(lambda: client.encode([user(*[_png(28, 28, i) for i in range(5)])]))
+    err = _code(lambda: client.encode([user(*[png(28, 28, seed=i) for i in range(5)])]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many images" in err.details()
     err = _code(lambda: client.encode([pb.ChatMessage(role="robot", content=[pb.ContentPart(text="hi")])]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.details()
@@ -396,20 +370,20 @@ def test_video_is_unimplemented(client):
     mp4 = b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41" + b"\x00" * 64
     err = _code(lambda: client.preprocess(mp4))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "video" in err.details()
-    err = _code(lambda: client.embed(pb.Image(data=_png(28, 28), mime_type="video/mp4")))
+    err = _code(lambda: client.embed(pb.Image(data=png(28, 28), mime_type="video/mp4")))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_export_without_directory_is_failed_precondition(narrow):
     with VisionClient(narrow.target, timeout=60) as c:
-        err = _code(lambda: c.encode([user("x", _png(28, 28))], export_vllm_ec=True))
+        err = _code(lambda: c.encode([user("x", png(28, 28))], export_vllm_ec=True))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--ec-export-dir" in err.details()
 
 
 def test_request_pixel_cap(narrow):
     with VisionClient(narrow.target, timeout=60) as c:
-        assert len(c.encode([user("two", _png(30, 50), _png(50, 30))]).header.spans) == 2  # 3,000 pixels
-        err = _code(lambda: c.encode([user("two", _png(30, 50), _png(50, 31))]))
+        assert len(c.encode([user("two", png(30, 50), png(50, 30))]).header.spans) == 2  # 3,000 pixels
+        err = _code(lambda: c.encode([user("two", png(30, 50), png(50, 31))]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "3050 pixels; the limit is 3000" in err.details()
 
 
@@ -443,14 +417,14 @@ def test_overload_cancel_and_drain(narrow, server):
         long_call = c.generate([user("Tell me a long story")], max_new_tokens=4000)
         first = next(long_call)  # the slot is now held
         assert first.WhichOneof("event") != "finish"
-        err = _code(lambda: c.count_tokens(_png(28, 28)))
+        err = _code(lambda: c.count_tokens(png(28, 28)))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in err.details()
         long_call.cancel()
         assert _trunk_idle_within(narrow.engine, 20)
         deadline = time.monotonic() + 10
         while narrow.server.admission.admitted and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert c.count_tokens(_png(28, 28)).num_tokens == 1  # the cancelled call gave its slot back
+        assert c.count_tokens(png(28, 28)).num_tokens == 1  # the cancelled call gave its slot back
 
         in_flight = c.generate([user("Tell me a long story")], max_new_tokens=40)
         next(in_flight)
@@ -459,7 +433,7 @@ def test_overload_cancel_and_drain(narrow, server):
         while not narrow.server.draining and time.monotonic() < deadline:
             time.sleep(0.01)
         assert c.health() == "NOT_SERVING"
-        err = _code(lambda: c.count_tokens(_png(28, 28)))
+        err = _code(lambda: c.count_tokens(png(28, 28)))
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
         rest = list(in_flight)
         assert rest[-1].finish.reason == pb.FINISH_REASON_LENGTH
@@ -467,7 +441,7 @@ def test_overload_cancel_and_drain(narrow, server):
 
 
 def test_metrics_endpoint(server, client, metrics_port):
-    client.preprocess(_png(28, 28))
+    client.preprocess(png(28, 28))
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     rpc = 'grpc_method="Preprocess",grpc_service="kimi.vision.v1.VisionService",grpc_type="unary"'
     assert f'grpc_server_handled_total{{grpc_code="OK",{rpc}}}' in text
@@ -477,7 +451,7 @@ def test_metrics_endpoint(server, client, metrics_port):
 
 
 def test_concurrent_requests_share_the_pool(client):
-    images = [_png(56 + 28 * i, 56, seed=20 + i) for i in range(6)]
+    images = [png(56 + 28 * i, 56, seed=20 + i) for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda d: client.embed(d)[1].shape[0], images))
     assert results == [vision.count_tokens(d) for d in images]
@@ -507,7 +481,7 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
     import signal
 
     pool = server.engine.pool
-    data = _png(1000, 1000, seed=99)  # ~5k patches: the tiny tower needs a while on them
+    data = png(1000, 1000, seed=99)  # ~5k patches: the tiny tower needs a while on them
     with concurrent.futures.ThreadPoolExecutor(1) as runner:
         call = runner.submit(client.embed, data)
         deadline = time.monotonic() + 60
@@ -525,7 +499,7 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
     assert client.health() == "SERVING"
 
 
-def test_demo_command(checkpoint, tmp_path):
+def test_demo_command(tiny_checkpoint, tmp_path):
     """The README's main job (`./run.sh demo`: set-up, then `kimi-vision demo`) on the embedded
     default, end to end. It runs on the venv running these tests, which is set up already (CI made
     it with `./run.sh test`), so the command must install nothing: its set-up is idempotent."""
@@ -543,7 +517,7 @@ def test_demo_command(checkpoint, tmp_path):
     assert command == "./run.sh demo"
     bin_dir = Path(sys.executable).parent
     assert (bin_dir / "kimi-vision").exists(), "the kimi-vision console script is not installed (pip install -e .)"
-    (tmp_path / generator_key()).symlink_to(checkpoint)  # the default is this same tiny checkpoint
+    (tmp_path / generator_key()).symlink_to(tiny_checkpoint)  # the default is this same tiny checkpoint
     env = {**os.environ, "KIMI_VISION_CACHE": str(tmp_path), "KIMI_VISION_VENV": sys.prefix}
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr

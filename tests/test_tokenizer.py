@@ -19,14 +19,8 @@ MARKERS = [name for name, _ in tk.NAMED_SPECIAL_TOKENS.values()] + ["<|reserved_
 marker_text = st.lists(st.one_of(st.text(max_size=20), st.sampled_from(MARKERS)), max_size=8).map("".join)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_tokenizer(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_dir)
 
 
 def test_constants_match_the_spec():
@@ -37,58 +31,60 @@ def test_constants_match_the_spec():
     assert tk.VOCAB_SIZE == 163840 and (tk.UNK_ID, tk.PAD_ID) == (163838, 163839)
 
 
-def test_tiny_vocabulary_is_deterministic_and_well_formed(tiny_dir, tmp_path, tok):
+def test_tiny_vocabulary_is_deterministic_and_well_formed(tiny_tokenizer_dir, tmp_path, tiny_tokenizer):
     again = write_tiny_tokenizer(tmp_path / "again")
     for name in ("tiktoken.model", "tokenizer_config.json"):
-        assert (again / name).read_bytes() == (tiny_dir / name).read_bytes()
-    ranks = tk.load_ranks(tiny_dir / "tiktoken.model")
+        assert (again / name).read_bytes() == (tiny_tokenizer_dir / name).read_bytes()
+    ranks = tk.load_ranks(tiny_tokenizer_dir / "tiktoken.model")
     assert sorted(ranks.values()) == list(range(len(ranks)))
     assert all(ranks[bytes([b])] == b for b in range(256))
     assert 200 <= len(ranks) - 256 <= 400  # a few hundred merges
-    assert tok.vocab_size == tk.VOCAB_SIZE
+    assert tiny_tokenizer.vocab_size == tk.VOCAB_SIZE
     # Merges make common text shorter than its bytes.
-    assert len(tok.encode("The assistant calls the tool")) < len("The assistant calls the tool") // 2
+    assert len(tiny_tokenizer.encode("The assistant calls the tool")) < len("The assistant calls the tool") // 2
 
 
-def test_special_table_matches_the_release_layout(tok):
+def test_special_table_matches_the_release_layout(tiny_tokenizer):
     for token_id, (name, special) in tk.NAMED_SPECIAL_TOKENS.items():
-        assert tok.token_id(name) == token_id
-        assert tok.encode(name, allow_special=True) == [token_id]
-        assert (token_id in tok.skippable_ids) == special
-    assert tok.token_id("<|reserved_token_163592|>") == 163592
-    assert tok.special_names[163837] == "<|reserved_token_163837|>"
-    assert len(tok.special_names) == 256
+        assert tiny_tokenizer.token_id(name) == token_id
+        assert tiny_tokenizer.encode(name, allow_special=True) == [token_id]
+        assert (token_id in tiny_tokenizer.skippable_ids) == special
+    assert tiny_tokenizer.token_id("<|reserved_token_163592|>") == 163592
+    assert tiny_tokenizer.special_names[163837] == "<|reserved_token_163837|>"
+    assert len(tiny_tokenizer.special_names) == 256
     with pytest.raises(TokenizerError, match="not a special token"):
-        tok.token_id("<|nope|>")
+        tiny_tokenizer.token_id("<|nope|>")
 
 
-def test_skip_special_tokens_keeps_the_non_special_markers(tok):
-    ids = tok.encode("<|open|>a<|sep|>b<|close|>c<|end_of_msg|>[BOS]<|media_pad|><|reserved_token_163700|>",
+def test_skip_special_tokens_keeps_the_non_special_markers(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("<|open|>a<|sep|>b<|close|>c<|end_of_msg|>[BOS]<|media_pad|><|reserved_token_163700|>",
                      allow_special=True)
-    assert tok.decode(ids, skip_special_tokens=True) == "<|open|>a<|sep|>b<|close|>c"
-    assert tok.decode(ids) == "<|open|>a<|sep|>b<|close|>c<|end_of_msg|>[BOS]<|media_pad|><|reserved_token_163700|>"
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == "<|open|>a<|sep|>b<|close|>c"
+    assert tiny_tokenizer.decode(ids) == ("<|open|>a<|sep|>b<|close|>c<|end_of_msg|>[BOS]<|media_pad|>"
+                                          "<|reserved_token_163700|>")
 
 
-def test_ids_outside_the_vocabulary_are_refused(tok):
-    for bad in (-1, tok.num_base_tokens, 100_000, tk.VOCAB_SIZE):
+def test_ids_outside_the_vocabulary_are_refused(tiny_tokenizer):
+    for bad in (-1, tiny_tokenizer.num_base_tokens, 100_000, tk.VOCAB_SIZE):
         with pytest.raises(TokenizerError, match=f"token id {bad} "):
-            tok.decode([1, bad])
+            tiny_tokenizer.decode([1, bad])
     with pytest.raises(TokenizerError, match="needs a str"):
-        tok.encode(b"bytes")  # type: ignore[arg-type]
+        tiny_tokenizer.encode(b"bytes")  # type: ignore[arg-type]
 
 
 @settings(max_examples=150, deadline=None)
 @given(text=marker_text)
-def test_text_never_yields_control_ids_without_allow_special(tok, text):
-    ids = tok.encode(text)
+def test_text_never_yields_control_ids_without_allow_special(tiny_tokenizer, text):
+    ids = tiny_tokenizer.encode(text)
     assert all(i < tk.NUM_BASE_TOKENS for i in ids)
-    assert tok.decode(ids) == text
+    assert tiny_tokenizer.decode(ids) == text
 
 
 @settings(max_examples=100, deadline=None)
 @given(segments=st.lists(st.tuples(marker_text, st.booleans()), max_size=6))
-def test_encode_segments_is_segment_wise(tok, segments):
-    assert tok.encode_segments(segments) == [i for text, special in segments for i in tok.encode(text, special)]
+def test_encode_segments_is_segment_wise(tiny_tokenizer, segments):
+    expected = [i for text, special in segments for i in tiny_tokenizer.encode(text, special)]
+    assert tiny_tokenizer.encode_segments(segments) == expected
 
 
 def _reference_split(text: str, max_run: int) -> list[str]:
@@ -114,20 +110,20 @@ def test_long_run_split_matches_the_release_loop(text, max_run):
     assert split_long_runs(text, max_run) == expected
 
 
-def test_long_inputs_are_cut_before_tiktoken(tok):
+def test_long_inputs_are_cut_before_tiktoken(tiny_tokenizer):
     run = "x" * (tk.MAX_CONSECUTIVE_CHARS * 2 + 7)
     assert [len(p) for p in split_long_runs(run)] == [tk.MAX_CONSECUTIVE_CHARS] * 2 + [7]
     assert list(map(len, tk.split_for_encoding("ab " * 200_000))) == [400_000, 200_000]
-    assert tok.decode(tok.encode(run + " tail")) == run + " tail"
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(run + " tail")) == run + " tail"
 
 
-def test_bad_directories_get_clear_errors(tmp_path, tiny_dir):
+def test_bad_directories_get_clear_errors(tmp_path, tiny_tokenizer_dir):
     with pytest.raises(TokenizerError, match="does not exist"):
         Tokenizer.from_pretrained(tmp_path / "missing")
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "tiktoken.model").write_bytes((tiny_dir / "tiktoken.model").read_bytes())
-    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    (bad / "tiktoken.model").write_bytes((tiny_tokenizer_dir / "tiktoken.model").read_bytes())
+    config = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
     config["added_tokens_decoder"]["163587"]["special"] = True
     (bad / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match=re.escape("id 163587 must be '<|open|>'")):

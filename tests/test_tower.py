@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from service.checkpoints.make import make_checkpoint
 from vision.config import PRESETS, VisionConfig
-from vision.encoder import VisionEncoder, model_input, param_counts
+from vision.encoder import model_input, param_counts
 from vision.projector import Projector
 from vision.tower import PositionGrid, VisionTower, apply_rope, check_grids, merge_patches, rope_2d, sincos_time_table
 
 TINY = PRESETS["tiny"]
 
-
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory) -> VisionEncoder:
-    return VisionEncoder.from_checkpoint(make_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
 
 
 def random_image(h: int, w: int, seed: int) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -33,25 +28,25 @@ def test_param_counts_k3_on_meta():
     assert param_counts("k3") == {"vision": 401_214_464, "projector": 46_144_512}
 
 
-def test_packed_equals_per_image(encoder):
+def test_packed_equals_per_image(tiny_encoder):
     grids = [(4, 6), (64, 64), (10, 2), (2, 2), (6, 14)]
     items = [random_image(h, w, i) for i, (h, w) in enumerate(grids)]
-    packed = encoder.encode(items)
+    packed = tiny_encoder.encode(items)
     for item, out in zip(items, packed, strict=True):
-        alone = encoder.encode([item])[0]
+        alone = tiny_encoder.encode([item])[0]
         torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
     # No attention across images: changing one image leaves the others' rows untouched.
     items2 = list(items)
     items2[1] = random_image(64, 64, 99)
-    again = encoder.encode(items2)
+    again = tiny_encoder.encode(items2)
     for i in (0, 2, 3, 4):
         torch.testing.assert_close(again[i], packed[i], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(again[1], packed[1])
 
 
-def test_output_rows_and_width(encoder):
+def test_output_rows_and_width(tiny_encoder):
     for h, w in [(2, 2), (2, 30), (34, 4), (64, 64), (66, 62)]:
-        out = encoder.encode([random_image(h, w, h * w)])[0]
+        out = tiny_encoder.encode([random_image(h, w, h * w)])[0]
         assert out.shape == ((h // 2) * (w // 2), TINY.text_hidden_size)
         assert torch.isfinite(out).all()
 
@@ -170,16 +165,16 @@ def test_k3_shapes_on_meta():
     assert rows.shape == (6 + 32 * 32, 7168)
 
 
-def test_tower_rejects_bad_grids(encoder):
+def test_tower_rejects_bad_grids(tiny_encoder):
     pixels, _ = random_image(4, 6, 0)
     with pytest.raises(ValueError, match="multiple of the 2x2 merger"):
-        encoder.tower(torch.from_numpy(pixels[:15]), [(1, 3, 5)])
+        tiny_encoder.tower(torch.from_numpy(pixels[:15]), [(1, 3, 5)])
     with pytest.raises(ValueError, match="describe 24 patches but 20"):
-        encoder.tower(torch.from_numpy(pixels[:20]), [(1, 4, 6)])
+        tiny_encoder.tower(torch.from_numpy(pixels[:20]), [(1, 4, 6)])
     with pytest.raises(ValueError, match="each side must be 1..512"):
-        encoder.tower(torch.zeros(2 * 514, 3, 14, 14), [(1, 2, 514)])
+        tiny_encoder.tower(torch.zeros(2 * 514, 3, 14, 14), [(1, 2, 514)])
     with pytest.raises(ValueError, match="do not match grid_thw"):
-        encoder.encode([(pixels, (1, 2, 6))])
+        tiny_encoder.encode([(pixels, (1, 2, 6))])
 
 
 def test_pixels_that_do_not_match_their_grid_are_refused():

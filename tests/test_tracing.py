@@ -4,16 +4,14 @@ for names, nesting and the caller's W3C trace context. And off by default: one s
 
 from __future__ import annotations
 
-import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 import pytest
+from images import png
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
-from PIL import Image
 from serve_process import ServeProcess
 
 from service import tracing
@@ -25,11 +23,6 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
 
-def _png(seed: int, size: int = 56) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG")
-    return buf.getvalue()
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -72,8 +65,9 @@ def test_spans_follow_the_request_through_the_engine(collector, tmp_path) -> Non
     with ServeProcess.start(args, log_path=tmp_path / "serve.log") as server:
         traceparent = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
         with VisionClient(server.target, timeout=120) as client:
-            list(client.stub.Embed(pb.EmbedRequest(image=pb.Image(data=_png(1))), metadata=traceparent, timeout=120))
-            events = list(client.generate([user("What is this?", _png(2))], max_new_tokens=2))
+            request = pb.EmbedRequest(image=pb.Image(data=png(56, 56, seed=1)))
+            list(client.stub.Embed(request, metadata=traceparent, timeout=120))
+            events = list(client.generate([user("What is this?", png(56, 56, seed=2))], max_new_tokens=2))
             assert events[-1].finish.usage.completion_tokens == 2
             assert client.health() == "SERVING"
         start = time.monotonic()

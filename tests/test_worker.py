@@ -4,48 +4,37 @@ the device through the staging buffer, or on the host into reused buffers, give 
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import png
 
-from service.checkpoints.make import make_checkpoint
 from service.engine.worker import ImageEncoder, resolve_patchify
 from tests.conftest import REPO_ROOT
 from vision import DEFAULT_LIMITS, DEFAULT_OPTIONS, ImageDecodeError, ImageOptions, plan_image, preprocess_image
-from vision.encoder import VisionEncoder
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
-def png(w: int, h: int, seed: int, mode: str = "RGB") -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, len(mode)), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels, mode).save(out, format="PNG")
-    return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    return VisionEncoder.from_checkpoint(make_checkpoint(tmp_path_factory.mktemp("worker") / "tiny", "tiny", seed=0))
 
 
-def test_staging_buffer_is_reused_across_images_of_different_sizes(encoder):
-    device, host = ImageEncoder(encoder, DEFAULT_LIMITS, "device"), ImageEncoder(encoder, DEFAULT_LIMITS, "host")
+def test_staging_buffer_is_reused_across_images_of_different_sizes(tiny_encoder):
+    device = ImageEncoder(tiny_encoder, DEFAULT_LIMITS, "device")
+    host = ImageEncoder(tiny_encoder, DEFAULT_LIMITS, "host")
     assert (device.patchify, host.patchify) == ("device", "host") and not device.asynchronous
     photo = (REPO_ROOT / "samples" / "photo.jpg").read_bytes()
     # The largest first, then smaller ones (stale bytes of the larger image stay in the buffer
     # beyond each), a transparent one (checkerboard), one resized by the options, the largest again.
-    images = [(png(560, 420, 1), DEFAULT_OPTIONS), (png(30, 20, 2), DEFAULT_OPTIONS),
-              (png(300, 150, 3, "RGBA"), DEFAULT_OPTIONS), (photo, ImageOptions(max_tokens=64)),
-              (png(560, 420, 4), DEFAULT_OPTIONS)]
+    images = [(png(560, 420, seed=1), DEFAULT_OPTIONS), (png(30, 20, seed=2), DEFAULT_OPTIONS),
+              (png(300, 150, seed=3, mode="RGBA"), DEFAULT_OPTIONS), (photo, ImageOptions(max_tokens=64)),
+              (png(560, 420, seed=4), DEFAULT_OPTIONS)]
     largest = plan_image(images[0][0]).image_bytes
     for i, (data, options) in enumerate(images):
         plan = plan_image(data, options)
         rows = device.encode(data, options, plan)
-        want = encoder.encode([preprocess_image(data, options)])[0]
+        want = tiny_encoder.encode([preprocess_image(data, options)])[0]
         assert torch.equal(rows, want), i
         assert torch.equal(host.encode(data, options, plan), want), i
         assert device.staging.capacity == largest  # grown once, for the first image; never again
@@ -58,11 +47,11 @@ def test_staging_buffer_is_reused_across_images_of_different_sizes(encoder):
         device.launch(truncated, DEFAULT_OPTIONS, plan_image(truncated))
     small = images[1][0]
     assert torch.equal(device.encode(small, DEFAULT_OPTIONS, plan_image(small)),
-                       encoder.encode([preprocess_image(small)])[0])
+                       tiny_encoder.encode([preprocess_image(small)])[0])
 
 
-def test_upload_takes_only_the_image_built_in_its_buffer(encoder):
-    staging = ImageEncoder(encoder, DEFAULT_LIMITS, "device").staging
+def test_upload_takes_only_the_image_built_in_its_buffer(tiny_encoder):
+    staging = ImageEncoder(tiny_encoder, DEFAULT_LIMITS, "device").staging
     staging.buffer(28 * 28 * 3)
     with pytest.raises(ValueError, match="built in this staging buffer"):
         staging.upload(np.zeros((28, 28, 3), np.uint8))

@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.batch.ids import IdTable
 from service.batch.spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
@@ -44,14 +46,6 @@ class Item:
     problem: str | None = None  # why the line is not a request at all (not JSON, no custom_id, ...)
     numbered: bool = True  # the input has lines, so errors name it ("line 7: ..."); not for a directory
 
-    def to_json(self) -> str:
-        """The item as one JSON text (how the Ray engine hands items to its actors)."""
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> Item:
-        return cls(**json.loads(text))
-
 
 def image_request(custom_id: str, path: str, spec: JobSpec) -> dict[str, Any]:
     """The request a directory or path-list image makes: the image, then the task's prompt."""
@@ -71,94 +65,153 @@ def base_dir(source: str | os.PathLike[str]) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def load_items(source: str | os.PathLike[str], spec: JobSpec) -> list[Item]:
-    """Items of a directory (recursive, by image extension), a `.jsonl` file, or any other file
-    read as a list of image paths (one per line; blank lines and `#` comments skipped)."""
-    path = Path(source)
-    if path.is_dir():
-        items = _scan_directory(path, spec)
-        if not items:
-            raise InputError(f"{path}: no image files (by extension: {', '.join(sorted(IMAGE_EXTENSIONS))})")
-    elif path.is_file():
-        items = _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_path_list(path, spec)
-        if not items:
-            raise InputError(f"{path}: no inputs in the file")
-    else:
-        raise InputError(f"{path}: no such file or directory")
-    return _unique(items)
+def load_items(source: str | os.PathLike[str], spec: JobSpec) -> Inputs:
+    """The items of a directory (recursive, by image extension), a `.jsonl` file, or any other file
+    read as a list of image paths (one per line; blank lines and `#` comments skipped).
+
+    Reads the input once through to count its items (raising `InputError` for an input that cannot
+    be used at all); the items themselves are read when the job takes them."""
+    return Inputs(Path(source), spec)
 
 
-def _unique(items: list[Item]) -> list[Item]:
+class Inputs:
+    """An input's items, read lazily: each iteration reads the source again, a line at a time as
+    the job takes them, so memory does not grow with the input (a directory walk holds the sorted
+    listing of each directory it is in; `_unique` a 24-byte hash per id). `len()`: how many."""
+
+    def __init__(self, source: Path, spec: JobSpec) -> None:
+        self.source = source
+        self.spec = spec
+        if source.is_dir():
+            self.kind = "directory"
+            empty = f"{source}: no image files (by extension: {', '.join(sorted(IMAGE_EXTENSIONS))})"
+        elif source.is_file():
+            self.kind = "jsonl" if source.suffix.lower() == ".jsonl" else "paths"
+            empty = f"{source}: no inputs in the file"
+        else:
+            raise InputError(f"{source}: no such file or directory")
+        self.count = sum(1 for _ in self._lines())
+        if not self.count:
+            raise InputError(empty)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Item]:
+        lines = self._lines()
+        if self.kind == "directory":
+            items = (Item(custom_id, position, image_request(custom_id, full, self.spec), numbered=False)
+                     for position, (custom_id, full) in enumerate(lines, 1))
+        elif self.kind == "jsonl":
+            items = (_jsonl_item(raw, lineno) for lineno, raw in lines)
+        else:
+            items = (_path_item(lineno, line, self.source.parent, self.spec) for lineno, line in lines)
+        return _unique(items)
+
+    def _lines(self) -> Iterator[Any]:
+        """What the items are made of, one per item (all the count reads)."""
+        if self.kind == "directory":
+            return _image_files(self.source)
+        return _jsonl_lines(self.source) if self.kind == "jsonl" else _path_lines(self.source)
+
+
+def _unique(items: Iterable[Item]) -> Iterator[Item]:
     """Give a line without an id one of its own (`<line N>`); a repeated custom_id makes that line
     an error row under such an id."""
-    first: dict[str, int] = {}
-    out = []
+    first = IdTable()  # every id so far -> its line
     for item in items:
         if not item.custom_id:
             item = dataclasses.replace(item, custom_id=_line_id(item.line, first))
-        elif item.custom_id in first:
-            problem = (f"custom_id {item.custom_id!r} is already the id of line {first[item.custom_id]}; ids must be "
+        elif (earlier := first.insert(item.custom_id, item.line)) is not None:
+            problem = (f"custom_id {item.custom_id!r} is already the id of line {earlier}; ids must be "
                        "unique (this row's id is its line)")
             item = dataclasses.replace(item, custom_id=_line_id(item.line, first), request=None, problem=problem)
-        first[item.custom_id] = item.line
-        out.append(item)
-    return out
+        yield item
 
 
-def _line_id(line: int, taken: dict[str, int]) -> str:
-    """The id of a line that has none of its own (unique even if a real id looks like it)."""
+def _line_id(line: int, taken: IdTable) -> str:
+    """The id of a line that has none of its own (unique even if a real id looks like it), taken."""
     custom_id = f"<line {line}>"
-    while custom_id in taken:
+    while taken.insert(custom_id, line) is not None:
         custom_id += "'"
     return custom_id
 
 
-def _scan_directory(root: Path, spec: JobSpec) -> list[Item]:
-    paths: list[Path] = []
-    # Symlinked directories are not followed (no cycles); symlinked files are read like files.
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        paths += [Path(dirpath) / name for name in sorted(filenames) if Path(name).suffix.lower() in IMAGE_EXTENSIONS]
-    ids = sorted((full.relative_to(root).as_posix(), full) for full in paths)  # the listing's order: by custom_id
-    return [Item(custom_id, position, image_request(custom_id, os.path.abspath(full), spec), numbered=False)
-            for position, (custom_id, full) in enumerate(ids, 1)]
+def _image_files(root: Path) -> Iterator[tuple[str, str]]:
+    """(custom_id, absolute path) of each image under `root`, in the order of their custom_ids
+    (relative, `/`-separated): a directory's entries are sorted with a subdirectory named as its
+    paths begin (`name/`), so that order comes out of a walk holding one listing per level.
+    Symlinked directories are not followed (no cycles); symlinked files are read like files;
+    a directory that cannot be listed is passed over, as `os.walk` passes it."""
+
+    def walk(directory: str, prefix: str) -> Iterator[tuple[str, str]]:
+        names = []
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if not entry.is_symlink():
+                            names.append(entry.name + "/")
+                    elif Path(entry.name).suffix.lower() in IMAGE_EXTENSIONS:
+                        names.append(entry.name)
+        except OSError:
+            return
+        names.sort()
+        for name in names:
+            if name.endswith("/"):
+                yield from walk(os.path.join(directory, name[:-1]), prefix + name)
+            else:
+                yield prefix + name, os.path.join(directory, name)
+
+    return walk(os.path.abspath(root), "")
 
 
-def _read_path_list(path: Path, spec: JobSpec) -> list[Item]:
+def _path_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, path) of each path: lines end at \\n, \\r\\n or \\r (as Python reads text);
+    blank lines and `#` comments are skipped."""
+    lineno = offset = 0
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it an image? "
-                         "Give a directory, a .jsonl file or a list of paths") from None
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {offset + e.start}); is it an "
+                                     "image? Give a directory, a .jsonl file or a list of paths") from None
+                offset += len(raw)
+                text = text.removesuffix("\n").removesuffix("\r")
+                for part in text.split("\r"):
+                    lineno += 1
+                    line = part.strip()
+                    if line and not line.startswith("#"):
+                        yield lineno, line
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    base = path.parent
-    items = []
-    for lineno, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        full = Path(line) if Path(line).is_absolute() else base / line
-        try:
-            custom_id = full.relative_to(base).as_posix()
-        except ValueError:
-            custom_id = Path(line).as_posix()
-        items.append(Item(custom_id, lineno, image_request(custom_id, os.path.abspath(full), spec)))
-    return items
 
 
-def _read_jsonl(path: Path) -> list[Item]:
+def _path_item(lineno: int, line: str, base: Path, spec: JobSpec) -> Item:
+    full = Path(line) if Path(line).is_absolute() else base / line
+    try:
+        custom_id = full.relative_to(base).as_posix()
+    except ValueError:
+        custom_id = Path(line).as_posix()
+    return Item(custom_id, lineno, image_request(custom_id, os.path.abspath(full), spec))
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """Split on b"\\n" only (a JSON string may hold U+2028 and other characters `str.splitlines`
     would cut at); blank lines are skipped, as vLLM's `run_batch` skips them."""
-    items = []
     try:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 if raw.strip():
-                    items.append(_jsonl_item(raw, lineno))
+                    yield lineno, raw
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    return items
 
 
 def _jsonl_item(raw: bytes, lineno: int) -> Item:

@@ -14,24 +14,26 @@ Exactly-once rests on three rules:
 
 When every line has its row, `finish` rewrites the output in input order (each row's
 `kimi_vision.line`), and with an errors file moves the failed rows there, as OpenAI's Batch API
-splits them. It holds only an index in memory (line, offset, length per row: 24 bytes a row), never
-the rows, and replaces each file atomically: the errors file first, so a crash between the two
-renames leaves failed rows in both files, which a resume counts once.
+splits them. It sorts by merging runs of sorted rows written beside the output, so its memory is
+bounded whatever the row count, and replaces each file atomically: the errors file first, so a
+crash between the two renames leaves failed rows in both files, which a resume counts once.
+Resume holds no rows either: the ids it has read are 128-bit hashes (`service.batch.ids`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import json
 import os
 import time
-from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from service.batch.ids import IdTable
 from service.batch.rows import is_ok, is_transient, line_of, shard_file
 from service.files import fsync_dir as _fsync_dir
 from service.files import write_atomic
@@ -54,11 +56,14 @@ def errors_name(output: Path, errors: Path | None) -> str | None:
     return None if errors is None else os.path.relpath(os.path.abspath(errors), os.path.abspath(output.parent))
 
 
+KEPT, RERUN = 1, 0  # a resume's verdict on an id it read (`Prior.ids`)
+
+
 @dataclass
 class Prior:
     """What an earlier run of this job left: ids not to run again and their statuses."""
 
-    done: set[str] = field(default_factory=set)
+    ids: IdTable = field(default_factory=IdTable)  # every id read: KEPT (has its row) or RERUN
     ok: int = 0
     errors: int = 0  # permanent errors (kept, not retried)
     retrying: int = 0  # transient errors dropped so they run again
@@ -66,7 +71,15 @@ class Prior:
     dropped: int = 0  # whole rows not kept (transient failures, rows whose shard is gone)
     orphan_shards: list[str] = field(default_factory=list)  # embedding shards no kept row points to
     shards: set[str] = field(default_factory=set)  # shard files the kept rows point to
-    seen: set[str] = field(default_factory=set)  # every id read (a row in both files counts once)
+
+    def is_done(self, custom_id: str) -> bool:
+        """The id has its row: do not run it again."""
+        return self.ids.get(custom_id) == KEPT
+
+    @property
+    def kept(self) -> int:
+        """Rows kept: the lines done."""
+        return self.ok + self.errors
 
 
 def _describe_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -191,18 +204,15 @@ def _scan(path: Path, root: Path, prior: Prior, keep: Callable[[bytes], Any] | N
 
 def _keeps(row: dict[str, Any], custom_id: str, transient: bool, shard: str | None, root: Path,
            prior: Prior) -> bool:
-    if custom_id in prior.seen:
+    # A shard is looked for once; a row's shard that is gone means computing it again.
+    shard_gone = shard is not None and shard not in prior.shards and not (root / shard).is_file()
+    if prior.ids.insert(custom_id, RERUN if transient or shard_gone else KEPT) is not None:
         return False  # a row a crash left in both files: counted once
-    prior.seen.add(custom_id)
-    if transient:
+    if transient or shard_gone:
         prior.retrying += 1
         return False
     if shard is not None:
-        if not (root / shard).is_file():
-            prior.retrying += 1  # its shard is gone: compute it again
-            return False
         prior.shards.add(shard)
-    prior.done.add(custom_id)
     if is_ok(row):
         prior.ok += 1
     else:
@@ -210,47 +220,89 @@ def _keeps(row: dict[str, Any], custom_id: str, transient: bool, shard: str | No
     return True
 
 
+# `finish` sorts in runs of at most this many rows or bytes, and merges at most this many at once.
+_RUN_ROWS = 1 << 15
+_RUN_BYTES = 8 << 20
+_FAN_IN = 128
+_KEY = 20  # a run's record: the row's line (20 digits: bytes sort as numbers), a failed flag, the row
+
+
 def finish(output: Path, errors: Path | None = None) -> None:
     """Every line has its row: put the output in input order and, with `errors`, move the failed
     rows there (also in input order). Nothing is rewritten when the output is in order already
-    and there is no errors file to write."""
-    lines, offsets, lengths = array("q"), array("q"), array("q")
-    failed = bytearray()
-    with open(output, "rb") as f:
-        offset = 0
-        for raw in f:
-            row = json.loads(raw)
-            lines.append(line_of(row))
-            offsets.append(offset)
-            lengths.append(len(raw))
-            failed.append(not is_ok(row))
-            offset += len(raw)
-    order = np.argsort(np.frombuffer(lines, dtype=np.int64), kind="stable")
-    if errors is None and bool((order == np.arange(len(order))).all()):
-        return
-    fd = os.open(output, os.O_RDONLY)
-    try:
-        def rewrite(path: Path, wanted: Callable[[int], bool]) -> Path:
-            tmp = _tmp(path)
-            with open(tmp, "wb") as out:
-                for i in order:  # numpy ints, not a list: 8 bytes a row, not 36
-                    if wanted(i):
-                        out.write(os.pread(fd, lengths[i], offsets[i]))
-                out.flush()
-                os.fsync(out.fileno())
-            return tmp
+    and there is no errors file to write.
 
+    An external merge sort, so memory stays bounded however many rows: runs of sorted rows
+    written beside the output (`.OUT.<pid>.run-N.tmp`, cleared by `prepare` if a crash leaves
+    them), merged by line into the temporary files that replace the outputs."""
+    runs: list[Path] = []
+    try:
+        in_order = True
+        last = 0
+        chunk: list[bytes] = []
+        size = 0
+        with open(output, "rb") as f:
+            for raw in f:
+                row = json.loads(raw)
+                line = line_of(row)
+                in_order = in_order and line >= last
+                last = line
+                chunk.append(b"%020d%d" % (line, not is_ok(row)) + raw)
+                size += len(raw)
+                if len(chunk) >= _RUN_ROWS or size >= _RUN_BYTES:
+                    runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
+                    chunk, size = [], 0
+        if in_order and errors is None:
+            return
+        if chunk:
+            runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
+        del chunk
+        names = itertools.count(len(runs))
+        while len(runs) > _FAN_IN:  # at most _FAN_IN files open at once
+            merged = []
+            for i in range(0, len(runs), _FAN_IN):
+                group = runs[i:i + _FAN_IN]
+                merged.append(_write_run(output, next(names), _merged(group)))
+                for run in group:
+                    run.unlink()
+            runs = merged
+        kept = _tmp(output)
+        failures = None if errors is None else _tmp(errors)
+        with open(kept, "wb") as ok_file, \
+                (contextlib.nullcontext() if failures is None else open(failures, "wb")) as failed_file:
+            for record in _merged(runs):
+                failed = failed_file is not None and record[_KEY] == ord("1")
+                (failed_file if failed else ok_file).write(memoryview(record)[_KEY + 1:])
+            for f in (ok_file, failed_file):
+                if f is not None:
+                    f.flush()
+                    os.fsync(f.fileno())
         if errors is not None:
-            failures = rewrite(errors, lambda i: failed[i])
-            kept = rewrite(output, lambda i: not failed[i])
             os.replace(failures, errors)
             _fsync_dir(errors.parent)  # the failed rows are safe before they leave the output
-        else:
-            kept = rewrite(output, lambda i: True)
         os.replace(kept, output)
         _fsync_dir(output.parent)
     finally:
-        os.close(fd)
+        for run in runs:
+            run.unlink(missing_ok=True)
+
+
+def _line_key(record: bytes) -> bytes:
+    return record[:_KEY]
+
+
+def _write_run(output: Path, number: int, records: Iterable[bytes]) -> Path:
+    path = output.with_name(f".{output.name}.{os.getpid()}.run-{number}.tmp")
+    with open(path, "wb") as f:
+        f.writelines(records)
+    return path
+
+
+def _merged(runs: list[Path]) -> Iterator[bytes]:
+    """The runs' records in line order (equal lines in run order: the rows' order in the output)."""
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(run, "rb")) for run in runs]
+        yield from heapq.merge(*files, key=_line_key)
 
 
 def _tmp(path: Path) -> Path:

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from service.batch.backends import Backend
-from service.batch.inputs import Item
+from service.batch.inputs import InputError, Inputs, Item
 from service.batch.journal import Prior, RowWriter, errors_name, finish, prepare
 from service.batch.progress import Progress
 from service.batch.requests import chat_kwargs, chat_request, embedding_request
@@ -53,7 +53,7 @@ def _ms(seconds: float) -> float:
 class Summary:
     task: str
     inputs: int
-    skipped: int  # done by an earlier run
+    skipped: int  # done by an earlier run (the rows it kept)
     ok: int = 0
     errors: int = 0  # permanent, recorded
     transient: int = 0  # recorded as transient; a --resume retries them
@@ -90,7 +90,7 @@ class Summary:
         parts = [f"batch {self.task}: {self.inputs} inputs, {self.skipped} already done; {done}",
                  f"in {self.elapsed_s:.1f} s ({self.rate:.2f} img/s) -> {where}"]
         prior = self.prior
-        if prior.done or prior.dropped or prior.torn:
+        if prior.kept or prior.dropped or prior.torn:
             resumed = f"resumed: kept {prior.ok} ok and {prior.errors} error rows, ran {prior.retrying} again"
             if prior.torn:
                 resumed += ", dropped a torn last line"
@@ -236,10 +236,11 @@ def _timings(start: float, read: float) -> dict[str, float]:
 
 
 class Job:
-    """One run of a batch job on one backend. `run()` returns the `Summary`. `base_dir`: where
-    relative image paths are read from (`inputs.base_dir`); `errors`: the `--errors` file."""
+    """One run of a batch job on one backend. `run()` returns the `Summary`. `items` are read as the
+    workers take them; `base_dir`: where relative image paths are read from (`inputs.base_dir`);
+    `errors`: the `--errors` file."""
 
-    def __init__(self, spec: JobSpec, items: Sequence[Item], output: Path, backend: Backend, *, resume: bool,
+    def __init__(self, spec: JobSpec, items: Inputs, output: Path, backend: Backend, *, resume: bool,
                  base_dir: Path, errors: Path | None = None, options: RunOptions | None = None) -> None:
         self.spec = spec
         self.items = items
@@ -264,11 +265,10 @@ class Job:
         opts = self.options
         fingerprint = self.spec.fingerprint(self.backend.identity, errors_name(self.output, self.errors))
         prior = prepare(self.output, fingerprint, resume=self.resume, errors=self.errors)
-        pending = [item for item in self.items if item.custom_id not in prior.done]
-        summary = Summary(self.spec.task, len(self.items), len(self.items) - len(pending), prior=prior)
-        recorder = Recorder(summary, self.output, len(pending), opts, on_abort=self.stop)
+        summary = Summary(self.spec.task, len(self.items), prior.kept, prior=prior)
+        recorder = Recorder(summary, self.output, len(self.items) - prior.kept, opts, on_abort=self.stop)
         runner = ItemRunner(self.spec, self.backend, opts, self.base_dir, stopping=self._stop.is_set)
-        queue = iter(pending)
+        queue = (item for item in self.items if not prior.is_done(item.custom_id))
         start = time.monotonic()
 
         async def worker() -> None:
@@ -280,6 +280,9 @@ class Job:
                         return
                     row, embedding = await runner.process(item)
                     recorder.record(row, embedding)
+            except InputError as exc:  # the input changed under the job (it was read through at the start)
+                summary.aborted = summary.aborted or str(exc)
+                self.stop()
             except Exception as exc:  # a bug: stop the whole job, not just this worker
                 if self.bug is None:
                     self.bug = exc

@@ -1,7 +1,7 @@
 """`kimi-vision batch --task caption|ocr|embed --input FILE.jsonl|DIR|LIST --output OUT.jsonl`
 
 Runs every input line through the model (in this process by default, on a running server with
-`--server`, or on Ray Data with `--engine ray`) and writes one line per input to OUT.jsonl, in input
+`--server`, or on Ray actors with `--engine ray`) and writes one line per input to OUT.jsonl, in input
 order, in the OpenAI Batch output shape (as vLLM's `run_batch` writes it): `id`, `custom_id`,
 `response` (`status_code`, `request_id`, `body`: a `chat.completion`, or for `embed` the
 safetensors shard, key, shape and dtype under `OUT.jsonl.embeddings/`), `error` (`code`: the kind,

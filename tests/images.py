@@ -1,4 +1,5 @@
-"""Images for the per-image limit tests: large to the byte limit, small to the tower.
+"""The test images every test file makes: noise PNGs and JPEGs of a given size (each seed its own
+pixels, the same on every run), and images large to the byte limit but small to the tower.
 
 Pillow stops reading a PNG at its IEND chunk, so a small PNG followed by zeros decodes to its few
 pixels (the tiny model's tower takes milliseconds on it) while the limits see its whole size.
@@ -16,10 +17,21 @@ from PIL import Image
 MIB = 1 << 20
 
 
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+def noise(width: int, height: int, *, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """Uniform noise in every band of `mode` (L, LA, RGB, RGBA, ...)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    return Image.fromarray(pixels[..., 0] if len(mode) == 1 else pixels, mode)
+
+
+def png(width: int, height: int, *, seed: int = 0, mode: str = "RGB") -> bytes:
     out = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    noise(width, height, seed=seed, mode=mode).save(out, format="PNG")
+    return out.getvalue()
+
+
+def jpeg(width: int, height: int, *, seed: int = 0, quality: int = 90) -> bytes:
+    out = io.BytesIO()
+    noise(width, height, seed=seed).save(out, format="JPEG", quality=quality)
     return out.getvalue()
 
 
