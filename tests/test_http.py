@@ -139,8 +139,9 @@ def test_the_first_proxys_request_writes_the_file_vllm_looks_for(producer_http, 
     reply = producer_http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
                                headers={"x-request-id": "proxy-req-1"})
     assert reply.status_code == 200, reply.text
-    body = ChatCompletion.model_validate(reply.json())
+    body = EncoderCompletion.model_validate(reply.json())
     assert body.usage.completion_tokens == 0 and body.choices[0].finish_reason == "length"  # no trunk ran
+    assert list(body.ec_transfer_params) == [case["mm_hash"]]
     counted = producer_rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
     assert body.usage.prompt_tokens == counted  # after media_pad expansion
     path = export_dir / case["mm_hash"] / "encoder_cache.safetensors"

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from images import png
 from PIL import Image
 from serve_process import ServeProcess
 from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
@@ -37,18 +38,11 @@ MERGE = (2, 2)  # Kimi-K3's vision_config.merge_kernel_size: SGLang's K3 process
 pytestmark = pytest.mark.timeout(300)
 
 
-def _png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def _url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-IMAGES = [PHOTO.read_bytes(), _png(150, 90, 1), _png(64, 200, 2)]
+IMAGES = [PHOTO.read_bytes(), png(150, 90, seed=1), png(64, 200, seed=2)]
 
 
 @pytest.fixture(scope="module")
