@@ -25,6 +25,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -100,23 +101,13 @@ def rpc(server):
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory, export_dir):
-    """The embedded default as vLLM's encoder (EC producer mode)."""
+    """The embedded default as vLLM's encoder (EC producer mode): the process, an HTTP and a gRPC client."""
     log = tmp_path_factory.mktemp("producer") / "serve.log"
     args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer"]
-    with ServeProcess.start(args, log_path=log) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def producer_http(producer):
-    with httpx.Client(base_url=f"http://127.0.0.1:{producer.http_port}", timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def producer_rpc(producer):
-    with VisionClient(producer.target, timeout=120) as client:
-        yield client
+    with (ServeProcess.start(args, log_path=log) as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
+          VisionClient(proc.target, timeout=120) as rpc):
+        yield SimpleNamespace(proc=proc, http=http, rpc=rpc)
 
 
 def _error(reply: httpx.Response, status: int, words: str) -> None:
@@ -131,34 +122,34 @@ def _error(reply: httpx.Response, status: int, words: str) -> None:
 
 
 @needs_vllm_goldens
-def test_the_first_proxys_request_writes_the_file_vllm_looks_for(producer_http, producer_rpc, export_dir):
+def test_the_first_proxys_request_writes_the_file_vllm_looks_for(producer, export_dir):
     goldens = vllm_goldens()
     case = next(c for c in goldens["cases"] if c["file"] == "rgb_160x120.jpg" and c["algorithm"] == "blake3"
                 and c["model_id"] == "moonshotai/Kimi-K3")
     data = vllm_image(case["file"])
-    reply = producer_http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
+    reply = producer.http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
                                headers={"x-request-id": "proxy-req-1"})
     assert reply.status_code == 200, reply.text
     body = EncoderCompletion.model_validate(reply.json())
     assert body.usage.completion_tokens == 0 and body.choices[0].finish_reason == "length"  # no trunk ran
     assert list(body.ec_transfer_params) == [case["mm_hash"]]
-    counted = producer_rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
+    counted = producer.rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
     assert body.usage.prompt_tokens == counted  # after media_pad expansion
     path = export_dir / case["mm_hash"] / "encoder_cache.safetensors"
     assert path.is_file(), sorted(p.name for p in export_dir.iterdir())
     with safe_open(str(path), "pt") as f:
         assert list(f.keys()) == ["ec_cache"]
     written = load_file(str(path))["ec_cache"]
-    header, rows = producer_rpc.embed(data, dtype="bfloat16")
+    header, rows = producer.rpc.embed(data, dtype="bfloat16")
     assert str(written.dtype) == "torch.bfloat16" and list(written.shape) == list(header.shape)
     np.testing.assert_array_equal(written.float().numpy(), rows)
 
 
-def test_a_client_uuid_names_the_file(producer_http, export_dir):
+def test_a_client_uuid_names_the_file(producer, export_dir):
     data = SAMPLE.read_bytes()
     part = {"type": "image_url", "image_url": {"url": _data_url(data)}, "uuid": "user-item-42"}
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
-    assert producer_http.post("/v1/chat/completions", json=body).status_code == 200
+    assert producer.http.post("/v1/chat/completions", json=body).status_code == 200
     assert (export_dir / "user-item-42" / "encoder_cache.safetensors").is_file()
 
 
@@ -189,15 +180,15 @@ EVERY_VLLM_PARAMETER = {
 }
 
 
-def test_every_vllm_chat_parameter_is_taken_with_or_without_max_tokens(producer_http, producer_rpc):
+def test_every_vllm_chat_parameter_is_taken_with_or_without_max_tokens(producer):
     """vLLM 0.33.0's chat parameters, all of them (the list the producer takes is that release's):
     answered at once, no completion tokens, with the image's key and grid in `ec_transfer_params`."""
     assert set(EVERY_VLLM_PARAMETER) | {"messages"} == set(VLLM_CHAT_PARAMETERS)
     data = SAMPLE.read_bytes()
-    grid = list(producer_rpc.preprocess(data).grid_thw)
+    grid = list(producer.rpc.preprocess(data).grid_thw)
     for body in (EVERY_VLLM_PARAMETER, {k: v for k, v in EVERY_VLLM_PARAMETER.items()
                                         if k not in ("max_tokens", "max_completion_tokens")}):
-        reply = producer_http.post("/v1/chat/completions", json=_chat(data, **body))
+        reply = producer.http.post("/v1/chat/completions", json=_chat(data, **body))
         assert reply.status_code == 200, reply.text
         answer = EncoderCompletion.model_validate(reply.json())
         assert answer.usage.completion_tokens == 0 and answer.choices[0].message.content == ""
@@ -205,16 +196,16 @@ def test_every_vllm_chat_parameter_is_taken_with_or_without_max_tokens(producer_
         assert entry == {"modality": "image", "item_indices": [0], "metadata": {"grid_thws": grid}}
 
 
-def test_a_producer_refuses_what_vllm_does_not_take_or_it_cannot_follow(producer_http):
+def test_a_producer_refuses_what_vllm_does_not_take_or_it_cannot_follow(producer):
     data = SAMPLE.read_bytes()
     for extra, words in (({"best_of": 2}, "best_of"), ({"mm_processor_kwargs": {"max_pixels": 1000}}, "release"),
                          ({"media_io_kwargs": {"image": {"mode": "RGB"}}}, "media_io_kwargs"),
                          ({"ec_transfer_params": {"consumer_zmq": "tcp://d:1", "ec_items": []}}, "Mooncake")):
-        _error(producer_http.post("/v1/chat/completions", json=_chat(data, **extra)), 400, words)
+        _error(producer.http.post("/v1/chat/completions", json=_chat(data, **extra)), 400, words)
 
 
 def test_a_producers_stream_is_one_chunk_the_openai_sdk_reads(producer):
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{producer.http_port}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{producer.proc.http_port}/v1", api_key="none")
     messages = _chat(SAMPLE.read_bytes())["messages"]
     chunks = list(client.chat.completions.create(model="moonshotai/Kimi-K3", messages=messages, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -278,14 +269,14 @@ def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path) ->
     raise AssertionError(f"the proxy did not come up: {log.read_text()[-3000:]}")
 
 
-def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, producer_rpc, export_dir, tmp_path):
+def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, export_dir, tmp_path):
     """vLLM 0.33.0's proxy (its own script) with a user's request of two images and a priority: one
     encoder request for both, answered with their keys and grids; the decode request then holds
     `image_embeds` references under the proxy's uuids, whose files hold the Embed RPC's rows."""
     images = [SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()]
     urls = [_data_url(images[0]), _data_url(images[1], "image/png")]
     decoder = _Decoder()
-    proc, port = _run_proxy(VLLM_PROXY, producer.http_port, decoder.server_address[1], tmp_path / "proxy.log")
+    proc, port = _run_proxy(VLLM_PROXY, producer.proc.http_port, decoder.server_address[1], tmp_path / "proxy.log")
     try:
         request = {"model": "moonshotai/Kimi-K3", "priority": 5, "session_id": "s-1", "max_tokens": 8,
                    "messages": [{"role": "user", "content": [
@@ -304,9 +295,9 @@ def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, p
     for part, url, data in zip(references, urls, images, strict=True):
         uuid = hashlib.sha256(url.encode()).hexdigest()  # the proxy's content_uuid
         assert part == {"type": "image_embeds", "uuid": uuid,
-                        "image_embeds": {"grid_thws": list(producer_rpc.preprocess(data).grid_thw)}}
+                        "image_embeds": {"grid_thws": list(producer.rpc.preprocess(data).grid_thw)}}
         written = load_file(str(export_dir / uuid / "encoder_cache.safetensors"))["ec_cache"]
-        _, rows = producer_rpc.embed(data, dtype="bfloat16")
+        _, rows = producer.rpc.embed(data, dtype="bfloat16")
         np.testing.assert_array_equal(written.float().numpy(), rows)
 
 

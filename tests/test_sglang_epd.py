@@ -18,6 +18,7 @@ import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -46,23 +47,24 @@ IMAGES = [PHOTO.read_bytes(), png(150, 90, seed=1), png(64, 200, seed=2)]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"],
-                            log_path=tmp_path_factory.mktemp("sglang") / "serve.log") as proc:
-        yield proc
+def encoder(tmp_path_factory):
+    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more): the process and an HTTP client."""
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"],
+                             log_path=tmp_path_factory.mktemp("sglang") / "serve.log") as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http):
+        yield SimpleNamespace(proc=proc, http=http)
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=120) as client:
-        yield client
+def http(encoder):
+    return encoder.http
 
 
 @pytest.fixture(scope="module")
-def expected(server):
+def expected(encoder):
     """Each image's bfloat16 rows (as raw 16-bit words), grid and original size, from the gRPC face."""
     out = []
-    with VisionClient(server.target, timeout=120) as rpc:
+    with VisionClient(encoder.proc.target, timeout=120) as rpc:
         for data in IMAGES:
             header, rows = rpc.embed(data, dtype="bfloat16")
             words = (rows.view(np.uint32) >> 16).astype(np.uint16)  # the RPC widened bf16 to f32 exactly

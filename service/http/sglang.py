@@ -14,7 +14,7 @@ as the OpenAI API. The routes, fields and answers are those of SGLang's own enco
   200 `null`.
 - `POST /scheduler_receive_url` `{req_id, receive_count, receive_url, modality}`: a scheduler rank
   names where it takes a part (`zmq_to_scheduler`); before or after that part's `/encode` arrives.
-- `GET /health_generate`: a fresh tiny image through the engine (200, else 503); `GET /health` is
+- `GET /health_generate`: a fresh tiny image through the engine when it is idle (200, else 503); `GET /health` is
   the face's own (200 serving, 503 warming up or draining), which SGLang's encoder registry probes.
 - `POST /send`, `POST /scheduler_receive_meta_data`: SGLang's `mooncake` (RDMA) backend, not served:
   a clear error, which also ends a waiting `/encode` of that part at once.
@@ -47,7 +47,7 @@ from PIL import Image
 
 from service.admission import Admission
 from service.engine import Engine, ImageEmbedding, ImageInput
-from service.errors import BadRequest, DeadlineExceeded, Unavailable, Unsupported, failure_for
+from service.errors import BadRequest, DeadlineExceeded, Failure, Unavailable, Unsupported, failure_for
 from service.http.sglang_wire import ROW_DTYPE, error_frames, part_frames
 from service.openai.images import ImageFetcher
 from service.openai.request import ImagePart
@@ -127,6 +127,19 @@ def parse_encode_request(body: Any) -> EncodePart:
         raise BadRequest("prefill_host is needed with an embedding_port")
     return EncodePart(req_id, num_parts, part_idx, [_item(item, f"mm_items[{i}]") for i, item in enumerate(items)],
                       host, port)
+
+
+def parse_registration(body: Any) -> tuple[str, int, str]:
+    """A `/scheduler_receive_url` body: the part, how many ranks will register it, this rank's address."""
+    fields = body if isinstance(body, Mapping) else {}
+    req_id, count, url = fields.get("req_id"), fields.get("receive_count"), fields.get("receive_url")
+    if not isinstance(req_id, str) or not req_id:
+        raise BadRequest("missing or invalid req_id")
+    if not _positive_int(count):
+        raise BadRequest("receive_count must be a positive integer")
+    if not isinstance(url, str) or ":" not in url:
+        raise BadRequest(f"receive_url must be host:port, got {url!r}")
+    return req_id, count, url
 
 
 def _host_port(host: str, port: int) -> str:
@@ -235,8 +248,14 @@ class Pusher:
         await asyncio.gather(*(self.push(_host_port(part.prefill_host, port), frames) for port in ports))
 
 
-def _error(message: str, status: int, req_id: Any) -> JSONResponse:
-    return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status_code=status)
+def _error(failure: Failure, req_id: Any) -> JSONResponse:
+    """SGLang's encoder's error body, with the status of the error taxonomy."""
+    return JSONResponse({"status": "error", "message": failure.message, "req_id": req_id},
+                        status_code=failure.rule.http)
+
+
+def _req_id(body: Any) -> Any:
+    return body.get("req_id") if isinstance(body, Mapping) else None
 
 
 def _probe_png() -> bytes:
@@ -246,10 +265,18 @@ def _probe_png() -> bytes:
     return buffer.getvalue()
 
 
-async def _embed(engine: Engine, part: EncodePart, allow_remote: bool) -> list[ImageEmbedding]:
+def _frames(part: EncodePart, embeddings: list[ImageEmbedding]) -> list[Any]:
+    rows = torch.cat([e.rows for e in embeddings]).to(ROW_DTYPE)
+    return part_frames(part.req_id, part.num_parts, part.part_idx, rows, [e.grid_thw for e in embeddings],
+                       [e.orig_size for e in embeddings])
+
+
+async def _encoded(engine: Engine, part: EncodePart, allow_remote: bool) -> list[Any]:
+    """The part's images through the engine, as the message SGLang's receiver takes."""
     fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=allow_remote)
     images = [ImageInput(await fetcher.fetch(item), where=item.where) for item in part.items]
-    return await engine.embed(images)
+    embeddings = await engine.embed(images)
+    return await engine.run_cpu(_frames, part, embeddings)
 
 
 def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader, *, allow_remote_images: bool) -> None:
@@ -273,67 +300,55 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
-        req_id = None
+        body = None
         try:
             body = await read_json(request)
-            req_id = body.get("req_id") if isinstance(body, Mapping) else None
             part = parse_encode_request(body)
         except Exception as exc:  # noqa: BLE001 - a refused request has no destination to be told
-            failure = failure_for(exc)
-            return _error(failure.message, failure.rule.http, req_id)
+            return _error(failure_for(exc), _req_id(body))
         try:
-            async with admission.admit() as engine:
-                embeddings = await _embed(engine, part, allow_remote_images)
+            async with admission.admit() as engine:  # the work slot is free again while the rows travel
+                frames = await _encoded(engine, part, allow_remote_images)
         except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
             failure = failure_for(exc)
             report(part, failure.message, failure.rule.http)
-            return _error(failure.message, failure.rule.http, part.req_id)
-        rows = torch.cat([e.rows for e in embeddings]).to(ROW_DTYPE)
-        frames = part_frames(part.req_id, part.num_parts, part.part_idx, rows, [e.grid_thw for e in embeddings],
-                             [e.orig_size for e in embeddings])
+            return _error(failure, part.req_id)
         try:
             await pusher.deliver(destinations, part, frames)
         except Exception as exc:  # noqa: BLE001 - a push that did not happen is this request's error
-            failure = failure_for(exc)
-            return _error(failure.message, failure.rule.http, part.req_id)
+            return _error(failure_for(exc), part.req_id)
         return JSONResponse(None)
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request) -> Response:
-        req_id = None
+        body = None
         try:
             body = await read_json(request)
-            req_id = body.get("req_id") if isinstance(body, Mapping) else None
-            count, url = (body.get("receive_count"), body.get("receive_url")) if isinstance(body, Mapping) else (0, 0)
-            if not isinstance(req_id, str) or not req_id:
-                raise BadRequest("missing or invalid req_id")
-            if not _positive_int(count):
-                raise BadRequest("receive_count must be a positive integer")
-            if not isinstance(url, str) or ":" not in url:
-                raise BadRequest(f"receive_url must be host:port, got {url!r}")
-            destinations.register(req_id, count, url)
+            destinations.register(*parse_registration(body))
         except Exception as exc:  # noqa: BLE001 - the taxonomy's status, SGLang's error body
-            failure = failure_for(exc)
-            return _error(failure.message, failure.rule.http, req_id)
+            return _error(failure_for(exc), _req_id(body))
         return JSONResponse(None)
 
     refusal = failure_for(Unsupported(_MOONCAKE))
 
     async def mooncake(request: Request) -> Response:
         """Refused; a waiting `/encode` of the part ends with the same error at once."""
-        req_id = None
+        body = None
         with contextlib.suppress(Exception):  # the refusal does not depend on the body
             body = await read_json(request)
-            req_id = body.get("req_id") if isinstance(body, Mapping) else None
-        if isinstance(req_id, str):
+        if isinstance(req_id := _req_id(body), str):
             destinations.refuse(req_id, refusal.message)
-        return _error(refusal.message, refusal.rule.http, req_id)
+        return _error(refusal, _req_id(body))
 
     app.post("/send")(mooncake)
     app.post("/scheduler_receive_meta_data")(mooncake)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        """SGLang's: a probe through the whole engine, unless requests are at work (then they are the
+        proof, and the probe stays off the workers), as SGLang's encoder does."""
+        if admission.serving and admission.working:
+            return Response(status_code=200)
         try:
             async with admission.admit() as engine:
                 await engine.embed([ImageInput(_probe_png())])
