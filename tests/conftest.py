@@ -40,6 +40,17 @@ def tiny_encoder(tiny_checkpoint: Path):
     return VisionEncoder.from_checkpoint(tiny_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_checkpoint: Path):
+    """An engine on the tiny checkpoint with one CPU encoder worker and no embedding cache (every
+    image reaches a worker), for the module that asks."""
+    from service.engine import Engine, EngineConfig
+
+    engine = Engine.load(EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0))
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny tokenizer files (textcore.tiny_vocab), written once."""

@@ -24,7 +24,6 @@ from service.batch.ray_engine import run_ray_job
 from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
 from service.checkpoints.default import default_checkpoint_dir
-from service.engine import Engine, EngineConfig
 from vision import Limits
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,18 +52,10 @@ def folder(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    """The local engine the Ray rows are compared with (embedded default checkpoint, one worker)."""
-    loaded = Engine.load(EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0))
-    yield loaded
-    loaded.close()
-
-
-def _local(spec: JobSpec, source: Path, output: Path, engine) -> None:
+def _local(spec: JobSpec, source: Path, output: Path, tiny_engine) -> None:
     async def go():
         options = RunOptions(concurrency=2, tty=False, handle_sigint=False)
-        return await Job(spec, load_items(source, spec), output, EngineBackend(engine), resume=False,
+        return await Job(spec, load_items(source, spec), output, EngineBackend(tiny_engine), resume=False,
                          base_dir=base_dir(source), options=options).run()
 
     asyncio.run(go())
@@ -75,10 +66,10 @@ def _on_ray(spec: JobSpec, source: Path, output: Path, **kwargs):
                        base_dir=base_dir(source), options=RunOptions(tty=False), **kwargs)
 
 
-def test_ray_embed_rows_equal_local_rows(local_ray, folder, engine, tmp_path):
+def test_ray_embed_rows_equal_local_rows(local_ray, folder, tiny_engine, tmp_path):
     spec = JobSpec("embed")
     local_out = tmp_path / "local.jsonl"
-    _local(spec, folder, local_out, engine)
+    _local(spec, folder, local_out, tiny_engine)
 
     ray_out = tmp_path / "ray.jsonl"
     summary = _on_ray(spec, folder, ray_out, resume=False, concurrency=1)
@@ -99,14 +90,14 @@ def test_ray_embed_rows_equal_local_rows(local_ray, folder, engine, tmp_path):
         _on_ray(JobSpec("caption"), folder, ray_out, resume=True)
 
 
-def test_ray_mixed_requests_give_the_local_rows(local_ray, engine, tmp_path):
+def test_ray_mixed_requests_give_the_local_rows(local_ray, tiny_engine, tmp_path):
     """The mixed request file (remote images from a real HTTP server on 127.0.0.1, fetched by the
     actors) on Ray: one row per line, in input order, the local engine's rows."""
     spec = JobSpec("caption", allow_remote_images=True)
     with image_server(tmp_path / "in") as remote:
         source = write_mixed_input(tmp_path / "in", remote)
         local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-        _local(spec, source, local_out, engine)
+        _local(spec, source, local_out, tiny_engine)
         summary = _on_ray(spec, source, ray_out, resume=False, concurrency=1)
     assert summary.exit_code == 0
     via_ray = check_mixed_output(ray_out)

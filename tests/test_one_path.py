@@ -24,7 +24,7 @@ from service.batch.inputs import load_items
 from service.batch.ray_engine import run_ray_job
 from service.batch.runner import Job, RunOptions
 from service.batch.spec import JobSpec
-from service.engine import Engine, EngineConfig, ImageInput
+from service.engine import EngineConfig, ImageInput
 from service.rpc.client import VisionClient
 from service.server import ServerConfig, ServerThread
 
@@ -44,17 +44,10 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    loaded = Engine.load(EngineConfig(checkpoint=tiny_checkpoint, devices="cpu:1", cache_bytes=0))
-    yield loaded
-    loaded.close()
-
-
-@pytest.fixture(scope="module")
-def reference(engine, folder) -> dict[str, np.ndarray]:
+def reference(tiny_engine, folder) -> dict[str, np.ndarray]:
     """`Engine.embed`, called directly."""
     async def embed() -> list:
-        return await engine.embed([ImageInput((folder / name).read_bytes()) for name in NAMES])
+        return await tiny_engine.embed([ImageInput((folder / name).read_bytes()) for name in NAMES])
 
     return {name: e.rows.numpy() for name, e in zip(NAMES, asyncio.run(embed()), strict=True)}
 
@@ -97,8 +90,8 @@ def test_grpc_embed(tiny_checkpoint, folder, reference):
     _assert_same(got, reference)
 
 
-def test_batch_in_process_and_through_a_server(tiny_checkpoint, engine, folder, reference, tmp_path):
-    _assert_same(_job(EngineBackend(engine), folder, tmp_path / "local.jsonl"), reference)
+def test_batch_in_process_and_through_a_server(tiny_checkpoint, tiny_engine, folder, reference, tmp_path):
+    _assert_same(_job(EngineBackend(tiny_engine), folder, tmp_path / "local.jsonl"), reference)
 
     async def via_server(target: str) -> None:
         backend = await ServerBackend.connect(target)

@@ -19,13 +19,7 @@ import json
 import sys
 import time
 
-from service.cli.common import (
-    add_image_limit_arguments,
-    add_model_arguments,
-    add_vllm_arguments,
-    checkpoint_dir,
-    image_limits,
-)
+from service.cli import common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,13 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("safetensors", "vllm-ec"), default="safetensors",
                         help="safetensors (default): one file, a tensor per input; "
                         "vllm-ec: OUT/<hash>/encoder_cache.safetensors per image")
-    add_model_arguments(parser, devices=False)
+    common.add_model_arguments(parser, devices=False)
     parser.add_argument("--workers", type=int, metavar="N", help="number of CPU encoder workers")
     parser.add_argument("--devices", metavar="SPEC", help="auto (default), cpu:N or cuda:0,1,...")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="tensor dtype (default: float32; bfloat16 with --format vllm-ec)")
-    add_image_limit_arguments(parser)
-    add_vllm_arguments(parser)
+    common.add_image_limit_arguments(parser)
+    common.add_vllm_arguments(parser)
 
 
 def _unique_key(name: str, used: set[str]) -> str:
@@ -103,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.format == "vllm-ec" else "float32"))
     start = time.perf_counter()
     try:
-        engine = Engine.load(EngineConfig(checkpoint=checkpoint_dir(args.checkpoint), devices=devices,
-                                          components="vision", cache_bytes=0, limits=image_limits(args),
+        engine = Engine.load(EngineConfig(checkpoint=common.checkpoint_dir(args.checkpoint), devices=devices,
+                                          components="vision", cache_bytes=0, limits=common.image_limits(args),
                                           model_id=args.vllm_model_id, hash_algorithm=args.mm_hasher_algorithm))
     except (CheckpointError, ServiceError, ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

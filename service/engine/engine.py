@@ -59,8 +59,8 @@ from vision.preprocess import ImagePlan, Preprocessed, plan_image, preprocess_im
 log = logging.getLogger(__name__)
 
 Components = Literal["all", "vision"]
-T = TypeVar("T")
 COMPONENTS = ("all", "vision")
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------
