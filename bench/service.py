@@ -13,11 +13,15 @@ embedding cache off so every Embed runs the tower), then in one run:
    work): the transport cost an RPC adds, measured on its own because the machine's noise is
    larger than that cost. This process sets its allocator as the server's does
    (`service.engine.allocator.keep_freed_memory`), so both sides run the same preprocessing.
-2. vLLM's disaggregated encoding, over both faces: the request vLLM's proxy sends the encoder
-   (`POST /v1/chat/completions`, `max_tokens` 1, the image as a `data:` URL) to the HTTP face in EC
-   producer mode, vs the Encode RPC with `export_vllm_ec` (bfloat16): the same work (embed the image,
-   write its encoder-cache file), the same 1920x1080 JPEG, interleaved, min and median of
-   --repeats each. Target: HTTP / Encode <= 1.15.
+2. The encoder's part of disaggregated serving, for both engines and over both faces, the same
+   1920x1080 JPEG (as a `data:` URL), interleaved, min and median of --repeats each:
+   - vLLM: the request vLLM 0.33.0's proxy sends its encoder (`POST /v1/chat/completions`, the
+     image with its `uuid`, no `max_tokens`) to the HTTP face in EC producer mode: embed the image,
+     write its encoder-cache file (bfloat16);
+   - SGLang: SGLang 0.5.23's `POST /encode` (`zmq_to_tokenizer`): embed the image and push its
+     bfloat16 rows to a ZMQ PULL socket of this process, timed until the rows are received;
+   - the Encode RPC with `export_vllm_ec` (bfloat16): the same work as the vLLM path, over gRPC.
+   Targets: HTTP producer / Encode <= 1.15, SGLang /encode / Encode <= 1.15.
 3. p50 / p99 latency and throughput at concurrency 1, 8 and 32 (asyncio clients, --seconds each)
    for Preprocess of a 1920x1080 JPEG and Embed of a 512x512 PNG.
 
@@ -126,28 +130,45 @@ def compare_preprocess(client, data: bytes, repeats: int) -> dict[str, float]:
     return interleaved(calls, repeats)
 
 
-def compare_producer(client, http_port: int, data: bytes, repeats: int) -> dict[str, float]:
-    """The encoder's part of vLLM's EPD over HTTP (what the proxy sends) and over gRPC (Encode with
-    the export), interleaved."""
+def compare_encoders(client, http_port: int, data: bytes, repeats: int) -> dict[str, float]:
+    """The encoder's part of vLLM's EPD over HTTP (what its proxy sends) and over gRPC (Encode with
+    the export), and of SGLang's (its /encode, the rows pushed here), interleaved."""
     import base64
+    import hashlib
+    import itertools
 
     import httpx
+    import zmq
 
     from service.rpc.client import user
 
     url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
-    body = {"model": "moonshotai/Kimi-K3", "max_tokens": 1, "stream": False, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the image?"}]}]}
+    image = {"type": "image_url", "image_url": {"url": url}, "uuid": hashlib.sha256(url.encode()).hexdigest()}
+    body = {"model": "moonshotai/Kimi-K3", "messages": [{"role": "user", "content": [image]}], "stream": False}
     chat = [user(data, "What is in the image?")]
-    with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=300) as http:
-        def over_http() -> None:
-            reply = http.post("/v1/chat/completions", json=body, headers={"x-request-id": "bench"})
-            reply.raise_for_status()
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)  # where SGLang's tokenizer takes the rows (zmq_to_tokenizer)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    requests = itertools.count()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=300) as http:
+            def over_http() -> None:
+                http.post("/v1/chat/completions", json=body, headers={"x-request-id": "bench"}).raise_for_status()
 
-        calls = {"http": over_http, "encode": lambda: client.encode(chat, dtype="bfloat16", export_vllm_ec=True)}
-        for call in calls.values():
-            call()  # warm
-        return interleaved(calls, repeats)
+            def over_sglang() -> None:
+                encode = {"req_id": f"bench-{next(requests)}_local_part_0", "mm_items": [url], "modality": "IMAGE",
+                          "num_parts": 1, "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": port}
+                http.post("/encode", json=encode).raise_for_status()
+                if len(pull.recv_multipart()) != 2:
+                    raise SystemExit("SGLang's /encode pushed no rows")
+
+            calls = {"http": over_http, "sglang": over_sglang,
+                     "encode": lambda: client.encode(chat, dtype="bfloat16", export_vllm_ec=True)}
+            for call in calls.values():
+                call()  # warm
+            return interleaved(calls, repeats)
+    finally:
+        context.destroy(linger=0)
 
 
 async def load(target: str, method: str, data: bytes, concurrency: int, seconds: float) -> dict[str, float]:
@@ -220,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(cmp['local_min'] + cmp['transport_min']) / cmp['local_min']:.3f} (min), "
                   f"{(cmp['local_median'] + cmp['transport_median']) / cmp['local_median']:.3f} (median)")
             hd = _photo_jpeg(1920, 1080, 2)
-            epd = compare_producer(client, http_port, hd, args.repeats)
-            print(f"\nvLLM EPD encoder request, 1920x1080 JPEG ({len(hd) / 1e6:.2f} MB), {args.repeats} interleaved "
+            epd = compare_encoders(client, http_port, hd, args.repeats)
+            print(f"\nEPD encoder requests, 1920x1080 JPEG ({len(hd) / 1e6:.2f} MB), {args.repeats} interleaved "
                   "runs each (min / median):")
-            print(f"  HTTP chat/completions (producer, max_tokens 1) {epd['http_min'] * 1000:8.1f} / "
-                  f"{epd['http_median'] * 1000:8.1f} ms")
-            print(f"  Encode RPC (export_vllm_ec, bfloat16)          {epd['encode_min'] * 1000:8.1f} / "
-                  f"{epd['encode_median'] * 1000:8.1f} ms")
-            print(f"  HTTP / Encode: {epd['http_min'] / epd['encode_min']:.3f} (min), "
-                  f"{epd['http_median'] / epd['encode_median']:.3f} (median); target <= 1.15")
+            for name, label in (("http", "vLLM: HTTP chat/completions (EC producer)     "),
+                                ("sglang", "SGLang: /encode, rows pushed and received   "),
+                                ("encode", "Encode RPC (export_vllm_ec, bfloat16)         ")):
+                print(f"  {label} {epd[name + '_min'] * 1000:8.1f} / {epd[name + '_median'] * 1000:8.1f} ms")
+            for name, label in (("http", "HTTP producer / Encode"), ("sglang", "SGLang /encode / Encode")):
+                print(f"  {label}: {epd[name + '_min'] / epd['encode_min']:.3f} (min), "
+                      f"{epd[name + '_median'] / epd['encode_median']:.3f} (median); target <= 1.15")
         cases = [("Preprocess", "1920x1080 JPEG", _photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
         print("\n| RPC | input | concurrency | requests | p50 ms | p99 ms | req/s | errors |")
         print("|---|---|---|---|---|---|---|---|")

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI chat-completions objects, written from the public API reference
 (https://platform.openai.com/docs/api-reference/chat/object, .../chat/streaming): what the HTTP face
 sends and what a batch row's body holds. Strict: a field the reference does not name is an error,
-but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it."""
+but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it, and vLLM's
+`ec_transfer_params` on an EC producer's answer (`EncoderCompletion`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ class ChatCompletion(_Model):
     model: str
     choices: list[Choice]
     usage: Usage
+
+
+class EncoderCompletion(ChatCompletion):
+    """A vLLM EC producer's answer: what the encoder published, per key (vLLM's response field)."""
+
+    ec_transfer_params: dict[str, Any]
 
 
 class Delta(_Model):

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP face and vLLM's disaggregated encoding, through real `kimi-vision serve`
 processes on 127.0.0.1 and a real HTTP client.
 
-- The encoder role of vLLM's EPD: the request vLLM's proxy sends (`max_tokens` 1, `stream` false,
-  the image as a `data:` URL) writes the image's encoder-cache file under the hash vLLM itself
-  computes (a golden of ../shared/conformance/vllm), holding the Embed RPC's rows.
+- The encoder role of vLLM's EPD: vLLM 0.33.0's own proxy, run as a script
+  (tests/thirdparty/vllm-0.33.0), in front of the producer: the decode request it sends holds
+  `image_embeds` references whose files hold the Embed RPC's rows. The request vLLM's first proxy
+  sent (`max_tokens` 1, the whole chat) writes the file under the hash vLLM itself computes (a
+  golden of ../shared/conformance/vllm). Every vLLM 0.33.0 chat parameter is taken, with or
+  without `max_tokens`, answered with no completion tokens; `stream: true` is SSE the OpenAI SDK reads.
 - Chat completions through the trunk, streamed and not; error bodies and statuses; `/health`
   across warm-up and SIGTERM; the token; vision-only serving from a checkpoint without trunk shards.
 """
@@ -11,32 +14,39 @@ processes on 127.0.0.1 and a real HTTP client.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
 import numpy as np
+import openai
 import pytest
 from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
-from openai_schema import ChatCompletion, ChatCompletionChunk, ErrorResponse
+from openai_schema import ChatCompletion, ChatCompletionChunk, EncoderCompletion, ErrorResponse
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from serve_process import ServeProcess, free_port
 
 from service.checkpoints.default import default_checkpoint_dir
+from service.openai.request import VLLM_CHAT_PARAMETERS
 from service.rpc.client import VisionClient, user
 from textcore.generate import SamplingError, SamplingParams
 from vision.checkpoint import INDEX_FILE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = REPO_ROOT / "samples" / "photo.jpg"
+VLLM_PROXY = REPO_ROOT / "tests" / "thirdparty" / "vllm-0.33.0" / "disagg_epd_proxy.py"
 TOKEN = "http-face-test-token-0123456789"
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,7 +61,8 @@ def _chat(data: bytes, *, text: str = "What is in the image?", **extra) -> dict:
 
 
 def _proxy_request(original: dict) -> dict:
-    """What vLLM's disagg_epd_proxy.py sends the encode instance for a user's request."""
+    """What vLLM's first EPD proxy (examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py)
+    sent the encode instance for a user's request: the whole request, capped at one token."""
     request = json.loads(json.dumps(original))
     request["max_tokens"] = 1
     request["stream"] = False
@@ -67,12 +78,11 @@ def export_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, export_dir):
-    """The embedded default in EC producer mode, one work slot and no queue (so overload is easy to
-    provoke), 4 MB messages."""
+def server(tmp_path_factory):
+    """The embedded default, one work slot and no queue (so overload is easy to provoke), 4 MB messages."""
     log = tmp_path_factory.mktemp("http") / "serve.log"
-    args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer",
-            "--max-concurrency", "1", "--max-queue", "0", "--max-message-mb", "4"]
+    args = ["--devices", "cpu:1", "--http-port", "0", "--max-concurrency", "1", "--max-queue", "0",
+            "--max-message-mb", "4"]
     with ServeProcess.start(args, log_path=log) as proc:
         yield proc
 
@@ -89,6 +99,15 @@ def rpc(server):
         yield client
 
 
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory, export_dir):
+    """The embedded default as vLLM's encoder (EC producer mode): the process, an HTTP and a gRPC client."""
+    log = tmp_path_factory.mktemp("producer") / "serve.log"
+    args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer"]
+    with (ServeProcess.start(args, log_path=log) as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
+          VisionClient(proc.target, timeout=120) as rpc):
+        yield SimpleNamespace(proc=proc, http=http, rpc=rpc)
 
 
 def _error(reply: httpx.Response, status: int, words: str) -> None:
@@ -103,34 +122,183 @@ def _error(reply: httpx.Response, status: int, words: str) -> None:
 
 
 @needs_vllm_goldens
-def test_the_proxy_request_writes_the_file_vllm_looks_for(http, rpc, export_dir):
+def test_the_first_proxys_request_writes_the_file_vllm_looks_for(producer, export_dir):
     goldens = vllm_goldens()
     case = next(c for c in goldens["cases"] if c["file"] == "rgb_160x120.jpg" and c["algorithm"] == "blake3"
                 and c["model_id"] == "moonshotai/Kimi-K3")
     data = vllm_image(case["file"])
-    reply = http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
-                      headers={"x-request-id": "proxy-req-1"})
+    reply = producer.http.post("/v1/chat/completions", json=_proxy_request(_chat(data, stream=True)),
+                               headers={"x-request-id": "proxy-req-1"})
     assert reply.status_code == 200, reply.text
-    body = ChatCompletion.model_validate(reply.json())
+    body = EncoderCompletion.model_validate(reply.json())
     assert body.usage.completion_tokens == 0 and body.choices[0].finish_reason == "length"  # no trunk ran
-    counted = rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
+    assert list(body.ec_transfer_params) == [case["mm_hash"]]
+    counted = producer.rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
     assert body.usage.prompt_tokens == counted  # after media_pad expansion
     path = export_dir / case["mm_hash"] / "encoder_cache.safetensors"
     assert path.is_file(), sorted(p.name for p in export_dir.iterdir())
     with safe_open(str(path), "pt") as f:
         assert list(f.keys()) == ["ec_cache"]
     written = load_file(str(path))["ec_cache"]
-    header, rows = rpc.embed(data, dtype="bfloat16")
+    header, rows = producer.rpc.embed(data, dtype="bfloat16")
     assert str(written.dtype) == "torch.bfloat16" and list(written.shape) == list(header.shape)
     np.testing.assert_array_equal(written.float().numpy(), rows)
 
 
-def test_a_client_uuid_names_the_file(http, export_dir):
+def test_a_client_uuid_names_the_file(producer, export_dir):
     data = SAMPLE.read_bytes()
     part = {"type": "image_url", "image_url": {"url": _data_url(data)}, "uuid": "user-item-42"}
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
-    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert producer.http.post("/v1/chat/completions", json=body).status_code == 200
     assert (export_dir / "user-item-42" / "encoder_cache.safetensors").is_file()
+
+
+# Every field of vLLM 0.33.0's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py),
+# each set to a value a vLLM client may send; an encoder samples nothing, so it takes them all.
+EVERY_VLLM_PARAMETER = {
+    "model": "moonshotai/Kimi-K3", "frequency_penalty": 0.5, "logit_bias": {"100": 2.0}, "logprobs": True,
+    "top_logprobs": 3, "max_tokens": 512, "max_completion_tokens": 64, "n": 2, "presence_penalty": 0.3,
+    "response_format": {"type": "text"}, "seed": 7, "stop": ["\n\n"], "stream": False,
+    "stream_options": {"include_usage": True}, "temperature": 0.7, "top_p": 0.9,
+    "tools": [{"type": "function", "function": {"name": "look", "description": "Look closer.",
+                                                "parameters": {"type": "object", "properties": {}}}}],
+    "tool_choice": "auto", "reasoning_effort": "low", "thinking_token_budget": 128, "include_reasoning": False,
+    "parallel_tool_calls": False, "user": "tester", "use_beam_search": False, "top_k": 20, "min_p": 0.05,
+    "repetition_penalty": 1.1, "watermarking": False, "length_penalty": 1.0, "stop_token_ids": [163586],
+    "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 4, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "truncate_prompt_tokens": -1, "truncation_side": "left",
+    "prompt_logprobs": 2, "logprob_token_ids": [1, 2], "allowed_token_ids": [1, 2, 3], "bad_words": ["never"],
+    "echo": False, "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+    "documents": [{"title": "note", "text": "a note"}], "chat_template": None,
+    "chat_template_kwargs": {"thinking": False}, "media_io_kwargs": None, "mm_processor_kwargs": {},
+    "structured_outputs": {"json": {"type": "object"}}, "priority": 5, "request_id": "every-parameter",
+    "session_id": "session-1", "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "return_weight_versions": False, "routed_experts_prompt_start": 0, "return_token_offsets": False,
+    "return_prompt_text": False, "mm_payload": "none", "return_mm_kwargs": False, "cache_salt": "salt",
+    "kv_transfer_params": {"do_remote_decode": False}, "ec_transfer_params": {}, "vllm_xargs": {"knob": 1},
+    "repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "stream_interval": 2,
+}
+
+
+def test_every_vllm_chat_parameter_is_taken_with_or_without_max_tokens(producer):
+    """vLLM 0.33.0's chat parameters, all of them (the list the producer takes is that release's):
+    answered at once, no completion tokens, with the image's key and grid in `ec_transfer_params`."""
+    assert set(EVERY_VLLM_PARAMETER) | {"messages"} == set(VLLM_CHAT_PARAMETERS)
+    data = SAMPLE.read_bytes()
+    grid = list(producer.rpc.preprocess(data).grid_thw)
+    for body in (EVERY_VLLM_PARAMETER, {k: v for k, v in EVERY_VLLM_PARAMETER.items()
+                                        if k not in ("max_tokens", "max_completion_tokens")}):
+        reply = producer.http.post("/v1/chat/completions", json=_chat(data, **body))
+        assert reply.status_code == 200, reply.text
+        answer = EncoderCompletion.model_validate(reply.json())
+        assert answer.usage.completion_tokens == 0 and answer.choices[0].message.content == ""
+        (key, entry), = answer.ec_transfer_params.items()
+        assert entry == {"modality": "image", "item_indices": [0], "metadata": {"grid_thws": grid}}
+
+
+def test_a_producer_refuses_what_vllm_does_not_take_or_it_cannot_follow(producer):
+    data = SAMPLE.read_bytes()
+    for extra, words in (({"best_of": 2}, "best_of"), ({"mm_processor_kwargs": {"max_pixels": 1000}}, "release"),
+                         ({"media_io_kwargs": {"image": {"mode": "RGB"}}}, "media_io_kwargs"),
+                         ({"ec_transfer_params": {"consumer_zmq": "tcp://d:1", "ec_items": []}}, "Mooncake")):
+        _error(producer.http.post("/v1/chat/completions", json=_chat(data, **extra)), 400, words)
+
+
+def test_a_producers_stream_is_one_chunk_the_openai_sdk_reads(producer):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{producer.proc.http_port}/v1", api_key="none")
+    messages = _chat(SAMPLE.read_bytes())["messages"]
+    chunks = list(client.chat.completions.create(model="moonshotai/Kimi-K3", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}))
+    (only,) = chunks
+    assert only.choices[0].delta.role == "assistant" and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens > 414
+
+
+class _Decoder(ThreadingHTTPServer):
+    """vLLM's decode instance as the proxy meets it, for what the proxy sends it: it records each
+    chat request and answers it (a one-word completion, or its SSE form)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        decoder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:  # the proxy's health probe
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                decoder.requests.append(body)
+                reply = {"id": "chatcmpl-d", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "cat"},
+                                      "logprobs": None, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path) -> tuple[subprocess.Popen, int]:
+    """vLLM's proxy as its example runs it, E + PD on 127.0.0.1; back once its /health says all are up."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), "--host", "127.0.0.1", "--port", str(port),
+                             "--encode-servers-urls", f"http://127.0.0.1:{encoder_port}",
+                             "--prefill-servers-urls", "none", "--decode-servers-urls",
+                             f"http://127.0.0.1:{decoder_port}"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the proxy did not come up: {log.read_text()[-3000:]}")
+
+
+def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, export_dir, tmp_path):
+    """vLLM 0.33.0's proxy (its own script) with a user's request of two images and a priority: one
+    encoder request for both, answered with their keys and grids; the decode request then holds
+    `image_embeds` references under the proxy's uuids, whose files hold the Embed RPC's rows."""
+    images = [SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()]
+    urls = [_data_url(images[0]), _data_url(images[1], "image/png")]
+    decoder = _Decoder()
+    proc, port = _run_proxy(VLLM_PROXY, producer.proc.http_port, decoder.server_address[1], tmp_path / "proxy.log")
+    try:
+        request = {"model": "moonshotai/Kimi-K3", "priority": 5, "session_id": "s-1", "max_tokens": 8,
+                   "messages": [{"role": "user", "content": [
+                       {"type": "image_url", "image_url": {"url": urls[0]}}, {"type": "text", "text": "and"},
+                       {"type": "image_url", "image_url": {"url": urls[1]}}]}]}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=request, timeout=120)
+        assert reply.status_code == 200, (reply.text, (tmp_path / "proxy.log").read_text()[-3000:])
+        assert reply.json()["choices"][0]["message"]["content"] == "cat"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        decoder.shutdown()
+    (decoded,) = decoder.requests
+    assert decoded["priority"] == 5 and decoded["max_tokens"] == 8
+    references = [part for part in decoded["messages"][0]["content"] if part["type"] != "text"]
+    for part, url, data in zip(references, urls, images, strict=True):
+        uuid = hashlib.sha256(url.encode()).hexdigest()  # the proxy's content_uuid
+        assert part == {"type": "image_embeds", "uuid": uuid,
+                        "image_embeds": {"grid_thws": list(producer.rpc.preprocess(data).grid_thw)}}
+        written = load_file(str(export_dir / uuid / "encoder_cache.safetensors"))["ec_cache"]
+        _, rows = producer.rpc.embed(data, dtype="bfloat16")
+        np.testing.assert_array_equal(written.float().numpy(), rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,8 +493,9 @@ def test_vision_only_serving_reads_no_trunk_tensor(server, tmp_path):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "components=vision" in info.value.details()
         with httpx.Client(base_url=f"http://127.0.0.1:{vision_only.http_port}", timeout=120) as http:
-            assert http.post("/v1/chat/completions", json=_chat(data, max_tokens=1)).status_code == 200
-            _error(http.post("/v1/chat/completions", json=_chat(data, max_tokens=5)), 400, "components=vision")
+            for max_tokens in (1, 5, None):  # a producer encodes whatever max_tokens says, and never samples
+                reply = http.post("/v1/chat/completions", json=_chat(data, max_tokens=max_tokens))
+                assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 0, reply.text
         assert client.model_info().components == "vision"
         vision_rss, full_rss = vision_only.rss(), server.rss()
     print(f"\nresident memory of the server process, idle after warm-up: components=all {full_rss / 2**20:.0f} MiB, "

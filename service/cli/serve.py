@@ -40,11 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ec-export-dir", metavar="DIR",
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
     parser.add_argument("--ec-role", choices=("producer",),
-                        help="producer: every HTTP chat completion's images are written under --ec-export-dir "
-                             "(named as vLLM looks them up) before the reply; max_tokens 1 skips the trunk")
+                        help="producer (vLLM's EPD encoder): every HTTP chat completion is an encode request: its "
+                             "images are written under --ec-export-dir (named as vLLM looks them up), and the "
+                             "reply has no completion tokens; see docs/EPD.md")
     parser.add_argument("--http-port", type=int, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
-                             "/v1/models) on this port (0 = any free port)")
+                             "/v1/models) and SGLang's encoder protocol (/encode) on this port (0 = any free port)")
     parser.add_argument("--allow-remote-images", action="store_true",
                         help="let HTTP requests name http(s) image URLs, which the server then fetches "
                              "(10 s timeout, the per-image byte limit, 3 redirects)")

@@ -105,6 +105,7 @@ class ImageEmbedding:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     prompt: str
+    orig_size: tuple[int, int]  # (width, height) as decoded, before any resize: what `prompt` names
     cached: bool = False
 
 
@@ -389,7 +390,7 @@ class Engine:
                 if r.shape[0] != plan.num_tokens:
                     raise EncodeError(f"{image.where or 'image'}: the encoder gave {r.shape[0]} rows for "
                                       f"{plan.num_tokens} tokens")
-                found[key] = ImageEmbedding(key, r, plan.grid_thw, plan.num_tokens, plan.prompt)
+                found[key] = ImageEmbedding(key, r, plan.grid_thw, plan.num_tokens, plan.prompt, plan.orig_size)
                 self.cache.put(key, found[key])
             self.metrics.cache_bytes.set(self.cache.nbytes)
         out = [found[key] for _, key in prepared]

@@ -8,6 +8,9 @@ below reproduces (vLLM 0.33, `vllm/multimodal/hasher.py`; checked against golden
 tests/test_vllm_hash.py): the digest (blake3 by default) of a self-delimiting stream of the
 keyword items `image` (the original encoded bytes, as received) and `model_id` (the model string
 the vLLM instance was started with). A client's own item `uuid` replaces the hash verbatim.
+
+An encoder also reports, in its chat response, what the proxy needs to reference each image instead
+of sending it (`transfer_params`: vLLM's `collect_ec_item_metadata`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import blake3
 import torch
@@ -74,3 +78,17 @@ def write_ec(directory: str | Path, mm_hash: str, embedding: torch.Tensor) -> Pa
     with atomic_path(target) as tmp:
         save_file({TENSOR_NAME: embedding.detach().to("cpu").contiguous()}, str(tmp))
     return target
+
+
+def transfer_params(keys: Sequence[str], grids: Sequence[tuple[int, int, int]]) -> dict[str, dict[str, Any]]:
+    """A producer's `ec_transfer_params`, in vLLM's schema (`collect_ec_item_metadata`,
+    vllm/distributed/ec_transfer/ec_connector/utils.py): per key, in first-seen order, the modality,
+    the positions of the request's images filed under it (`item_indices`), and the placeholder
+    metadata, K3's `grid_thws` of the image ([t, h, w] patches: h * w / 4 tokens), which vLLM's proxy
+    turns into an `image_embeds` reference for the decoder."""
+    params: dict[str, dict[str, Any]] = {}
+    for index, (key, grid) in enumerate(zip(keys, grids, strict=True)):
+        entry = params.setdefault(key, {"modality": "image", "item_indices": []})
+        entry["metadata"] = {"grid_thws": list(grid)}
+        entry["item_indices"].append(index)
+    return params

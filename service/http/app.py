@@ -3,9 +3,12 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
 
 - `POST /v1/chat/completions`: a chat with images (`data:` URLs; `http(s)` ones only with
   `--allow-remote-images`) through the trunk, streamed as server-sent events with `stream: true`.
-  In EC producer mode (`--ec-role producer`) every image of the request is first encoded and
-  written under the key vLLM looks it up by; a request with `max_tokens: 1` (what vLLM's proxy
-  sends the encoder) is then answered at once with a valid `chat.completion`, without the trunk.
+  In EC producer mode (`--ec-role producer`) every request is an encode request, whatever its
+  `max_tokens` (every vLLM chat parameter is taken: nothing is sampled): its images are encoded and
+  written under the key vLLM looks each up by, and the answer is a `chat.completion` (or one SSE
+  chunk and `[DONE]`) with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
+  reports them (per key: the item positions and the placeholder metadata), without the trunk.
+- SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`.
 - `GET /health`: 200 while the server serves, 503 while it warms up or drains (no token needed;
   not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names.
@@ -32,12 +35,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from service import tracing
 from service.admission import Admission
 from service.auth import BearerToken, presented_token, refusal
-from service.engine import ChatInput, Engine, GenerationResult, SamplingParams
+from service.engine import ChatInput, Encoding, Engine, GenerationResult, SamplingParams
+from service.engine.vllm_ec import transfer_params
 from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
+from service.http.sglang import add_sglang_routes
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
 from service.openai.images import ImageFetcher
-from service.openai.request import ChatRequest, parse_chat_request
+from service.openai.request import ChatRequest, parse_chat_request, parse_producer_request
 from service.openai.response import Reply, chunk, completion, error_body, new_id
 
 log = logging.getLogger("kimi_vision.access")
@@ -125,7 +130,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         stack = contextlib.AsyncExitStack()
         try:
             body = await _json_body(request, config.max_body_bytes)
-            chat_request = parse_chat_request(body)
+            chat_request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
             engine = await stack.enter_async_context(admission.admit())
             if not engine.serves(chat_request.model):
                 raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
@@ -151,6 +156,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    add_sglang_routes(app, admission, lambda request: _json_body(request, config.max_body_bytes),
+                      allow_remote_images=config.allow_remote_images)
     return app
 
 
@@ -182,13 +189,9 @@ async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> d
     chat = request.chat_input(images)
     model = request.model or engine.served_model_names[0]
     reply_id = new_id()
-    if config.ec_producer and chat.images:
+    if config.ec_producer:  # the files are the answer: nothing is sampled
         encoding = await engine.encode(chat, export_dtype=EXPORT_DTYPE)
-        if request.max_tokens == 1:  # vLLM's proxy priming the encoder: the files are what it wanted
-            image_tokens = sum(e.num_tokens for e in encoding.embeddings)
-            reply = Reply()
-            reply.add(GenerationResult("length", len(encoding.input_ids), image_tokens, 0))
-            return completion(reply, model=model, request_id=reply_id)
+        return _encoded(encoding, model, reply_id, request)
     params = engine.sampling(request.max_tokens, **request.sampling)
     if not request.stream:
         reply = Reply()
@@ -197,6 +200,27 @@ async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> d
                 reply.add(item)
         return completion(reply, model=model, request_id=reply_id)
     return _stream(engine, chat, params, model, reply_id, request.include_usage)
+
+
+def _encoded(encoding: Encoding, model: str, reply_id: str,
+             request: ChatRequest) -> dict[str, Any] | AsyncIterator[str]:
+    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key."""
+    reply = Reply()
+    reply.add(GenerationResult("length", len(encoding.input_ids), sum(e.num_tokens for e in encoding.embeddings), 0))
+    if request.stream:
+        return _one_chunk(reply, model, reply_id, request.include_usage)
+    body = completion(reply, model=model, request_id=reply_id)
+    body["ec_transfer_params"] = transfer_params(encoding.mm_hashes, [e.grid_thw for e in encoding.embeddings])
+    return body
+
+
+async def _one_chunk(reply: Reply, model: str, reply_id: str, include_usage: bool) -> AsyncIterator[str]:
+    """The streamed form: one chunk (the role, the finish reason; the usage if asked), then [DONE]."""
+    usage = reply.usage() if include_usage else None
+    last = chunk({"role": "assistant", "content": ""}, model=model, request_id=reply_id, created=int(time.time()),
+                 finish_reason=reply.finish_reason, usage=usage)
+    yield f"data: {json.dumps(last)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model: str, reply_id: str,

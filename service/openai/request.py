@@ -7,7 +7,9 @@ string or part-list content, assistant `tool_calls`, `reasoning_content`, tool r
 image bytes are fetched afterwards, by the face that knows what it may read (`images.py`).
 
 Every parameter a caller may send is either honoured, accepted at its neutral value (`n: 1`,
-`presence_penalty: 0`, ...), or refused with an error naming it: nothing is silently ignored.
+`presence_penalty: 0`, ...), or refused with an error naming it: nothing is silently ignored. An EC
+producer, which samples nothing, takes every parameter of vLLM's chat API instead
+(`parse_producer_request`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,29 @@ INERT = ("user", "metadata", "store", "service_tier")
 TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
+
+# Every field of vLLM 0.33.0's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py),
+# in its order: what vLLM's proxies may pass on to an encoder, all of which an EC producer takes
+# (`parse_producer_request`; tests/test_http.py sends each of them).
+VLLM_CHAT_PARAMETERS = (
+    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream", "stream_options",
+    "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "thinking_token_budget", "include_reasoning",
+    "parallel_tool_calls", "user", "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking",
+    "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
+    "logprob_token_ids", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "documents", "chat_template", "chat_template_kwargs", "media_io_kwargs",
+    "mm_processor_kwargs", "structured_outputs", "priority", "request_id", "session_id", "return_tokens_as_token_ids",
+    "return_token_ids", "return_weight_versions", "routed_experts_prompt_start", "return_token_offsets",
+    "return_prompt_text", "mm_payload", "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params",
+    "vllm_xargs", "repetition_detection", "stream_interval")
+# What an EC producer reads of them (the images, the model, the prompt it counts, the reply's form);
+# the rest change nothing, as nothing is sampled.
+PRODUCER_READS = ("messages", "model", "tools", "stream", "stream_options", "chat_template_kwargs", *TEMPLATE)
+# vLLM's image options: vLLM would preprocess (and key) the images by them, which this encoder does
+# not follow (it preprocesses as the release does), so a value is refused rather than ignored.
+PRODUCER_REFUSES = ("mm_processor_kwargs", "media_io_kwargs")
 
 
 @dataclass(frozen=True)
@@ -172,3 +197,24 @@ def parse_chat_request(body: Any) -> ChatRequest:
     chat_kwargs.update(extra)
     return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
                        bool(options.get("include_usage")), chat_kwargs)
+
+
+def parse_producer_request(body: Any) -> ChatRequest:
+    """A chat request to an EC producer (`--ec-role producer`): every vLLM chat parameter is taken,
+    whatever its value, since nothing is sampled; the images, the model and the reply's form are read
+    as `parse_chat_request` reads them. Refused by name: a parameter vLLM does not have, vLLM's image
+    options, and a push to a Mooncake EC consumer (`ec_transfer_params.consumer_zmq`)."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(VLLM_CHAT_PARAMETERS))
+    if unknown:
+        raise Unsupported(f"unsupported parameter(s) {unknown}; an EC producer takes vLLM's chat parameters")
+    for key in PRODUCER_REFUSES:
+        if body.get(key):
+            raise Unsupported(f"{key}={body[key]!r} is not supported: this encoder preprocesses every image as "
+                              "Kimi-K3's release processor does; drop it on the vLLM side")
+    transfer = body.get("ec_transfer_params")
+    if isinstance(transfer, Mapping) and transfer.get("consumer_zmq") is not None:
+        raise Unsupported("ec_transfer_params.consumer_zmq (a push to vLLM's Mooncake EC consumer) is not supported; "
+                          "this encoder publishes files for the shared-storage connector (ECExampleConnector)")
+    return parse_chat_request({key: body[key] for key in PRODUCER_READS if key in body})

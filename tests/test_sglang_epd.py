@@ -1,0 +1,213 @@
+"""This service as the encoder of SGLang 0.5.23's encoder disaggregation, through a real
+`kimi-vision serve` on 127.0.0.1 and SGLang's own receiver code (`sglang_receiver`: its classes and
+allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ sockets:
+
+- both transfer backends from one server: `zmq_to_tokenizer` (the `/encode` names the port) and
+  `zmq_to_scheduler` (two TP ranks register, one before the `/encode` and one after): the rows each
+  receives equal the Embed RPC's bfloat16 rows bit for bit, SGLang's part validation takes every
+  part, and each image's grid and original size are what K3's SGLang processor reads;
+- a bad image is an error the language side has within a second, on the socket and in the answer;
+- the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
+- refusals (fields, video, mooncake) and `/health`, `/health_generate`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import zmq
+from images import png
+from PIL import Image
+from serve_process import ServeProcess
+from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
+
+from service.http.sglang_wire import error_frames, part_frames
+from service.rpc.client import VisionClient
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PHOTO = REPO_ROOT / "samples" / "photo.jpg"
+MERGE = (2, 2)  # Kimi-K3's vision_config.merge_kernel_size: SGLang's K3 processor counts h * w / 4 tokens per grid
+pytestmark = pytest.mark.timeout(300)
+
+
+def _url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+IMAGES = [PHOTO.read_bytes(), png(150, 90, seed=1), png(64, 200, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more): the process and an HTTP client."""
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"],
+                             log_path=tmp_path_factory.mktemp("sglang") / "serve.log") as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http):
+        yield SimpleNamespace(proc=proc, http=http)
+
+
+@pytest.fixture(scope="module")
+def http(encoder):
+    return encoder.http
+
+
+@pytest.fixture(scope="module")
+def expected(encoder):
+    """Each image's bfloat16 rows (as raw 16-bit words), grid and original size, from the gRPC face."""
+    out = []
+    with VisionClient(encoder.proc.target, timeout=120) as rpc:
+        for data in IMAGES:
+            header, rows = rpc.embed(data, dtype="bfloat16")
+            words = (rows.view(np.uint32) >> 16).astype(np.uint16)  # the RPC widened bf16 to f32 exactly
+            size = Image.open(io.BytesIO(data)).size
+            out.append((words, list(header.grid_thw), list(size)))
+    return out
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _encode_body(req_id: str, images: list[bytes], num_parts: int, part_idx: int, **where) -> dict:
+    """What SGLang's `MMReceiverHTTP.encode` posts for one part."""
+    return {"encoder_idx": 0, "encoder_url": "http://encoder", "mm_items": [_url(d) for d in images],
+            "num_parts": num_parts, "part_idx": part_idx, "req_id": receiver.create_part_req_id(req_id, part_idx),
+            "modality": "IMAGE", "prefill_host": "127.0.0.1", "time_stats_json": None, **where}
+
+
+def _check(aggregate, indices: list[int], expected) -> torch.Tensor:
+    """The request's rows, checked against the RPC's bit for bit, and the metadata K3's SGLang
+    processor reads (`get_mm_extra_meta`: one grid row and one original size per image)."""
+    assert isinstance(aggregate, receiver.MultiModalEmbeddingData) and aggregate.ready
+    rows = aggregate.get_embedding(is_concat=True)[Modality.IMAGE]
+    assert rows.dtype == torch.bfloat16
+    words = rows.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(words, np.concatenate([expected[i][0] for i in indices]))
+    meta = aggregate.get_mm_extra_meta()
+    assert meta["img_grid_thw"].dtype == torch.int64
+    assert meta["img_grid_thw"].tolist() == [expected[i][1] for i in indices]
+    assert meta["original_image_sizes"] == [expected[i][2] for i in indices]
+    tokens = [h * w // (MERGE[0] * MERGE[1]) for _, h, w in meta["img_grid_thw"].tolist()]
+    assert tokens == [len(expected[i][0]) for i in indices]
+    return rows
+
+
+def test_zmq_to_tokenizer_parts_arrive_as_the_rpcs_rows(http, context, expected):
+    """Two parts of one request (two images, then one) on the tokenizer's socket."""
+    sock, port = bound_pull(context)
+    bodies = [_encode_body("tok-1", IMAGES[:2], 2, 0, embedding_port=port),
+              _encode_body("tok-1", IMAGES[2:], 2, 1, embedding_port=port)]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda body: http.post("/encode", json=body), bodies))
+    assert [(r.status_code, r.json()) for r in replies] == [(200, None), (200, None)]
+    _check(receive(sock, "tok-1", timeout_s=30), [0, 1, 2], expected)
+
+
+def test_zmq_to_scheduler_two_ranks_registered_before_and_after_get_the_same_rows(http, context, expected):
+    ranks = [bound_pull(context) for _ in range(2)]
+    part_id = receiver.create_part_req_id("sched-1", 0)
+
+    def register(rank: int) -> httpx.Response:  # what each TP rank's WaitingZmqRequest posts
+        return http.post("/scheduler_receive_url", json={"req_id": part_id, "receive_count": 2, "modality": "IMAGE",
+                                                         "receive_url": f"127.0.0.1:{ranks[rank][1]}"})
+
+    assert register(0).status_code == 200  # before the /encode
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(http.post, "/encode", json=_encode_body("sched-1", IMAGES[:2], 1, 0,
+                                                                      embedding_port=None))
+        first = receive(ranks[0][0], "sched-1", timeout_s=60)  # the /encode is delivering now
+        assert not pending.done()  # it waits for the second rank
+        assert register(1).status_code == 200  # after it
+        second = receive(ranks[1][0], "sched-1", timeout_s=30)
+        reply = pending.result(60)
+    assert (reply.status_code, reply.json()) == (200, None)
+    assert torch.equal(_check(first, [0, 1], expected).view(torch.int16), _check(second, [0, 1], expected)
+                       .view(torch.int16))
+
+
+def test_a_bad_image_is_the_language_sides_error_within_a_second(http, context):
+    sock, port = bound_pull(context)
+    start = time.monotonic()
+    reply = http.post("/encode", json={**_encode_body("bad-1", [], 1, 0, embedding_port=port),
+                                       "mm_items": [_url(b"not an image at all")]})
+    error = receive(sock, "bad-1", timeout_s=1.0)
+    assert time.monotonic() - start < 1.0
+    assert reply.status_code == 400 and reply.json()["status"] == "error", reply.text
+    assert reply.json()["req_id"] == receiver.create_part_req_id("bad-1", 0)
+    assert isinstance(error, receiver.EmbeddingData) and error.error_code == 400
+    assert "bad image" in error.error_msg and error.error_msg == reply.json()["message"]
+
+    rank, rank_port = bound_pull(context)  # zmq_to_scheduler: the registered rank is told too
+    part_id = receiver.create_part_req_id("bad-2", 0)
+    assert http.post("/scheduler_receive_url", json={"req_id": part_id, "receive_count": 1, "modality": "IMAGE",
+                                                     "receive_url": f"127.0.0.1:{rank_port}"}).status_code == 200
+    start = time.monotonic()
+    reply = http.post("/encode", json={**_encode_body("bad-2", [], 1, 0), "mm_items": [_url(b"GIF89a broken")]})
+    error = receive(rank, "bad-2", timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 and reply.status_code == 400
+    assert error.error_code == 400 and "bad image" in error.error_msg
+
+
+def test_the_wire_object_is_sglangs_embedding_data():
+    """What SGLang's encoder sends (`_stage_embeddings`, then `copy_without_embedding`), built with
+    SGLang's own class, equals what this service sends, attribute for attribute and in order."""
+    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
+    grid = torch.tensor([[1, 2, 6]], dtype=torch.int64)
+    theirs = receiver.EmbeddingData("r_local_part_0", 1, 0, grid, Modality.IMAGE, rows, video_timestamps=None,
+                                    second_per_grid_ts=None, original_image_sizes=[[80, 30]]).copy_without_embedding()
+    ours = safe_pickle_loads(part_frames("r_local_part_0", 1, 0, rows, [(1, 2, 6)], [(80, 30)])[0])
+    assert type(ours) is receiver.EmbeddingData
+    assert list(ours.__dict__) == list(theirs.__dict__)
+    for key, value in theirs.__dict__.items():
+        assert torch.equal(ours.grid_dim, value) if key == "grid_dim" else ours.__dict__[key] == value, key
+
+    theirs = receiver.EmbeddingData("r_local_part_0", 1, 0, None, Modality.IMAGE, error_msg="bad image: x",
+                                    error_code=400).copy_without_embedding()
+    ours = safe_pickle_loads(error_frames("r_local_part_0", 1, 0, "bad image: x", 400)[0])
+    assert ours.__dict__ == theirs.__dict__ and list(ours.__dict__) == list(theirs.__dict__)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"req_id": ""}, "missing or invalid req_id"),
+    ({"modality": "VIDEO"}, "Kimi-K3 takes images"),
+    ({"modality": "SMELL"}, "unsupported modality"),
+    ({"num_parts": 0}, "num_parts must be a positive integer"),
+    ({"part_idx": 1}, "part_idx must be in [0, 1)"),
+    ({"mm_items": []}, "missing or empty mm_items"),
+    ({"mm_items": [{"url": "data:,", "max_dynamic_patch": 6}]}, "max_dynamic_patch"),
+    ({"mm_items": ["/etc/passwd"]}, "does not read local files"),
+    ({"embedding_port": "x"}, "embedding_port"),
+])
+def test_refused_encode_requests(http, change, words):
+    reply = http.post("/encode", json={**_encode_body("refused", IMAGES[:1], 1, 0, embedding_port=5), **change})
+    assert reply.status_code == 400, reply.text
+    body = reply.json()
+    assert body["status"] == "error" and words in body["message"], body
+
+
+def test_mooncake_is_refused_and_ends_a_waiting_encode(http):
+    part_id = receiver.create_part_req_id("moon-1", 0)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(http.post, "/encode", json=_encode_body("moon-1", IMAGES[1:2], 1, 0))
+        for route in ("/scheduler_receive_meta_data", "/send"):
+            refused = http.post(route, json={"req_id": part_id, "part_idx": 0})
+            assert refused.status_code == 400 and "mooncake" in refused.json()["message"]
+        reply = pending.result(60)
+    assert reply.status_code == 400 and "mooncake" in reply.json()["message"], reply.text
+
+
+def test_health(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
