@@ -34,7 +34,8 @@ def _daemon_problem() -> str | None:
     except subprocess.TimeoutExpired:
         return "the Docker daemon did not answer within 30 s"
     if info.returncode != 0 or not info.stdout.strip():
-        return f"no Docker daemon answers ({(info.stderr or info.stdout).strip().splitlines()[-1:]})"
+        said = (info.stderr or info.stdout).strip().splitlines()
+        return f"no Docker daemon answers ({said[-1] if said else f'docker info exited {info.returncode}'})"
     return None
 
 
