@@ -29,13 +29,13 @@ def _daemon_problem() -> str | None:
     if shutil.which(DOCKER) is None:
         return f"no Docker client {DOCKER!r} on PATH"
     try:
-        info = subprocess.run([DOCKER, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=30)
+        info = subprocess.run([DOCKER, "version", "--format", "{{.Server.Version}}"], capture_output=True,
+                              text=True, timeout=30)
     except subprocess.TimeoutExpired:
         return "the Docker daemon did not answer within 30 s"
     if info.returncode != 0 or not info.stdout.strip():
-        said = (info.stderr or info.stdout).strip().splitlines()
-        return f"no Docker daemon answers ({said[-1] if said else f'docker info exited {info.returncode}'})"
+        said = info.stderr.strip().splitlines()
+        return f"no Docker daemon answers ({said[-1] if said else f'docker version exited {info.returncode}'})"
     return None
 
 
