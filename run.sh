@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The README's two commands, each doing all of its own set-up, idempotently:
 #
-#   ./run.sh demo   a venv with CPU torch and the project, then `kimi-vision demo` (the main job)
+#   ./run.sh demo   a venv with torch and the project, then `kimi-vision demo` (the main job)
 #   ./run.sh test   the same with the dev extra, then `ruff check .` and the test suite (what .ci/run runs)
 #
 # Set-up is skipped when the venv already holds what pyproject.toml asks for (checked by pip itself,
 # without network), so a second run starts at once and a changed pyproject.toml installs again.
 # Extra arguments go to pytest (`./run.sh test tests/test_deploy.py -x`) or to the demo.
-# KIMI_VISION_VENV names another venv (default: .venv here); PYTHON the interpreter that makes it.
+# KIMI_VISION_VENV names another venv (default: .venv here); PYTHON the interpreter that makes it;
+# TORCH_INDEX_URL the index torch comes from (below).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# The CPU wheel, installed before the project so that pip does not pull a multi-GB CUDA build;
-# the Dockerfile installs the same (tests/test_deploy.py compares the two).
+# torch, installed before the project so that the project's unpinned `torch` takes this one; the
+# Dockerfile installs the same (tests/test_deploy.py compares the two). From pip's configured index
+# unless TORCH_INDEX_URL names another: PyPI's Linux torch is the multi-GB CUDA build, and
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (the Dockerfile's default) gives the CPU wheel.
 TORCH_VERSION=2.13.0
 VENV=${KIMI_VISION_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -49,8 +52,8 @@ setup() {
             echo "error: cannot create a venv in $VENV (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
     fi
     installed "$extra" && return 0
-    echo "run.sh: installing torch $TORCH_VERSION (CPU) and the project${extra:+ with [$extra]} into $VENV" >&2
-    "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+    echo "run.sh: installing torch $TORCH_VERSION and the project${extra:+ with [$extra]} into $VENV" >&2
+    "$VENV/bin/pip" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
     "$VENV/bin/pip" install -q -e ".${extra:+[$extra]}"
 }
 

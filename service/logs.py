@@ -11,9 +11,10 @@ Two formats (`--log-format`): text, one line per record, or JSON, one object per
 `time`, `level`, `logger`, `message` and, on access lines, `request_id`, `method`, `peer`, `status`,
 `duration_ms`, `request_bytes`, `response_bytes`. Every record logged while a request is handled
 carries that request's id (`REQUEST_ID`, set by each face), so a client's `x-request-id` finds its
-lines, errors included. In JSON, whatever else reaches the process's stderr (gRPC's C core, the
-encoder workers, a `print`) is captured line by line as records of the logger `stderr`, so every
-line of the log is one JSON object.
+lines, errors included. In JSON, whatever else reaches the process's stderr or stdout (gRPC's C
+core, the encoder workers, a `print`) is captured line by line as records of the logger `stderr`
+or `stdout`, written to the log (stderr), and `announce` writes its line on the real stdout as a
+JSON object too: every line the process writes on either stream is one JSON object.
 """
 
 from __future__ import annotations
@@ -127,20 +128,22 @@ class DroppingQueueHandler(QueueHandler):
         return dropped
 
 
-class _CapturedStderr:
-    """File descriptor 2 turned into a pipe whose lines become records on `handler` (dropped, not
-    waited for, when its queue is full); `stream` is the real stderr, for the writer."""
+class _CapturedStream:
+    """File descriptor `fd` (1 or 2) turned into a pipe whose lines become records of the logger
+    `name` on `handler` (dropped, not waited for, when its queue is full); `stream` is the real
+    stream, for whoever writes there on purpose."""
 
-    def __init__(self, handler: logging.Handler) -> None:
-        sys.stderr.flush()
-        self._saved = os.dup(2)
+    def __init__(self, fd: int, name: str, level: int, handler: logging.Handler) -> None:
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        self._fd = fd
+        self._saved = os.dup(fd)
         self.stream = open(os.dup(self._saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
         read_fd, write_fd = os.pipe()
-        os.dup2(write_fd, 2)  # C libraries and child processes (which inherit it) write here now
+        os.dup2(write_fd, fd)  # C libraries and child processes (which inherit it) write here now
         os.close(write_fd)
-        self._handler = handler
+        self._name, self._level, self._handler = name, level, handler
         self._read_all = threading.Event()  # set when the end marker written by restore() is read
-        self._thread = threading.Thread(target=self._read, args=(read_fd,), name="kimi-vision-stderr", daemon=True)
+        self._thread = threading.Thread(target=self._read, args=(read_fd,), name=f"kimi-vision-{name}", daemon=True)
         self._thread.start()
 
     def _read(self, read_fd: int) -> None:
@@ -151,17 +154,17 @@ class _CapturedStderr:
                     continue
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 absl = ABSL_LINE.match(line)
-                level = ABSL_LEVELS[absl.group(1)] if absl else logging.WARNING
-                self._handler.handle(logging.LogRecord("stderr", level, "", 0, line, None, None))
+                level = ABSL_LEVELS[absl.group(1)] if absl else self._level
+                self._handler.handle(logging.LogRecord(self._name, level, "", 0, line, None, None))
 
     def restore(self, timeout_s: float) -> None:
-        """fd 2 back to the real stderr, once what this process wrote before is read (up to
+        """The fd back to the real stream, once what this process wrote before is read (up to
         `timeout_s`). The pipe itself may stay open: children that inherited it (multiprocessing's
         resource tracker) hold it until they exit."""
-        sys.stderr.flush()
-        os.write(2, _END_OF_CAPTURE)
+        (sys.stdout if self._fd == 1 else sys.stderr).flush()
+        os.write(self._fd, _END_OF_CAPTURE)
         self._read_all.wait(timeout_s)
-        os.dup2(self._saved, 2)
+        os.dup2(self._saved, self._fd)
         os.close(self._saved)
 
 
@@ -174,15 +177,27 @@ class ServerLog:
         self._records: queue.Queue = queue.Queue(max_records)
         self.handler = DroppingQueueHandler(self._records)
         self.handler.addFilter(_WithRequestId())
-        self._stderr = _CapturedStderr(self.handler) if log_format == "json" and stream is None else None
-        self._sink = logging.StreamHandler(stream or (self._stderr.stream if self._stderr else sys.stderr))
-        self._sink.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(FORMAT))
+        self._captured: tuple[_CapturedStream, ...] = ()
+        if log_format == "json" and stream is None:
+            self._captured = (_CapturedStream(2, "stderr", logging.WARNING, self.handler),
+                              _CapturedStream(1, "stdout", logging.INFO, self.handler))
+        self._stdout = self._captured[1].stream if self._captured else sys.stdout
+        self._formatter = JsonFormatter() if log_format == "json" else None
+        self._sink = logging.StreamHandler(stream or (self._captured[0].stream if self._captured else sys.stderr))
+        self._sink.setFormatter(self._formatter or logging.Formatter(FORMAT))
         root = logging.getLogger()
         root.setLevel(level)
         root.addHandler(self.handler)
         logging.captureWarnings(True)  # Python's warnings as records too, so a JSON log stays JSON
         self._thread = threading.Thread(target=self._write, name="kimi-vision-log", daemon=True)
         self._thread.start()
+
+    def announce(self, message: str) -> None:
+        """`message` on stdout at once, as the one line a supervisor waits for: in JSON, a record of the
+        logger `kimi_vision` (the real stdout: what else reaches it is captured)."""
+        if self._formatter is not None:
+            message = self._formatter.format(logging.LogRecord("kimi_vision", logging.INFO, "", 0, message, None, None))
+        print(message, file=self._stdout, flush=True)
 
     def _write(self) -> None:
         while True:
@@ -200,8 +215,8 @@ class ServerLog:
         logging.getLogger().removeHandler(self.handler)
         logging.captureWarnings(False)
         deadline = time.monotonic() + timeout_s
-        if self._stderr is not None:
-            self._stderr.restore(timeout_s / 2)
+        for captured in self._captured:
+            captured.restore(timeout_s / 4)
         try:
             self._records.put(None, timeout=timeout_s)  # waits while the writer frees room
         except queue.Full:

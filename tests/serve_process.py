@@ -61,9 +61,11 @@ class ServeProcess:
         self.health_port: int | None = None  # the plaintext health port, with --health-port
         self.metrics_port: int | None = None  # with --metrics-port
         self._ready: list[tuple[str, int, dict[str, int]]] = []
+        self.stdout_lines: list[str] = []  # everything the server wrote on stdout, as it arrives
 
         def read_stdout() -> None:  # keeps draining after the ready line so the pipe never fills
             for line in proc.stdout:
+                self.stdout_lines.append(line.rstrip("\n"))
                 m = _READY.search(line)
                 if m and not self._ready:
                     more = {name: int(port) for name, port in _MORE_PORTS.findall(m.group(3))}

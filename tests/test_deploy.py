@@ -3,7 +3,8 @@ schemas of a current Kubernetes release and against what the server really offer
 health service, drain), the Dockerfile against run.sh's install steps (which CI runs) and its linter,
 and the image's own steps run here: `pip install .` outside the checkout, the build-time default
 checkpoint, and `kimi-vision serve` with the image's arguments from that install alone.
-(No Docker daemon here: the image itself is not built.)"""
+(The image itself is built and run by deploy/docker/smoke.sh, where a Docker daemon runs:
+tests/test_container.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grpc
@@ -180,6 +182,12 @@ def _dockerfile() -> DockerfileParser:
     return DockerfileParser(path=str(REPO_ROOT / "Dockerfile"))
 
 
+def _build_args() -> dict[str, str]:
+    """The Dockerfile's ARGs with their defaults ("" for none)."""
+    return {i["value"].split("=")[0]: i["value"].partition("=")[2] for i in _dockerfile().structure
+            if i["instruction"] == "ARG"}
+
+
 def _dockerfile_user() -> str:
     (user,) = [i["value"] for i in _dockerfile().structure if i["instruction"] == "USER"]
     return user
@@ -206,11 +214,8 @@ def test_dockerfile_installs_what_run_sh_and_the_readme_install() -> None:
     setup = setup[:setup.index("\n}\n")]
     from_run_sh = _pip_installs(setup.splitlines(), {"TORCH_VERSION": torch, "extra": ""})
 
-    parser = _dockerfile()
-    build_args = {i["value"].split("=")[0]: i["value"].partition("=")[2] for i in parser.structure
-                  if i["instruction"] == "ARG"}
-    runs = [i["value"] for i in parser.structure if i["instruction"] == "RUN"]
-    from_dockerfile = _pip_installs(runs, build_args)
+    runs = [i["value"] for i in _dockerfile().structure if i["instruction"] == "RUN"]
+    from_dockerfile = _pip_installs(runs, _build_args())
 
     readme = (REPO_ROOT / "README.md").read_text()
     manual = re.search(r"Managing the environment yourself.*?```bash\n(.*?)```", readme, re.S).group(1)
@@ -220,6 +225,25 @@ def test_dockerfile_installs_what_run_sh_and_the_readme_install() -> None:
     assert (REPO_ROOT / ".ci" / "run").read_text().rstrip().endswith("exec ./run.sh test")
     tests_command = re.search(r"Tests \(.*?```bash\n(.*?)\n```", readme, re.S).group(1).strip()
     assert tests_command == "./run.sh test"
+
+
+def test_the_cpu_image_takes_cpu_torch_and_leaves_triton_to_the_gpu_extra() -> None:
+    """By default the image is the CPU one: torch from PyTorch's CPU index (an index's plain Linux torch
+    is the CUDA build) and no extra; triton (about 1 GB) only where its kernels run (the gpu extra,
+    which the CUDA recipe names) and in the tests (dev)."""
+    args = _build_args()
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["EXTRAS"] == ""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.match(r"[A-Za-z0-9_.-]+", r).group().lower() for r in requirements}
+
+    assert "triton" not in names(project["dependencies"])
+    assert "triton" in names(extras["gpu"]) and "triton" in names(extras["dev"])
+    for text in ((REPO_ROOT / "Dockerfile").read_text(), (REPO_ROOT / "docs" / "DEPLOY.md").read_text()):
+        (cuda,) = re.findall(r"docker build -t kimi-vision:0\.1\.0-cuda.*?\.\s", text, re.S)
+        assert "--build-arg EXTRAS=gpu" in cuda and "/whl/cu" in cuda, cuda
 
 
 def test_dockerfile_passes_hadolint() -> None:

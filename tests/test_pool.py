@@ -80,6 +80,7 @@ def alive(pid: int) -> bool:
 
 def test_two_workers_equal_one_worker_and_in_process(tiny_checkpoint, pool2, reference):
     with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1) as pool1:
+        assert pool1.threads_per_worker == 1  # given: the CPU count's default does not apply
         one = encode(pool1, ITEMS)
         pids = [w["pid"] for w in pool1.health()["workers"]]
     two = encode(pool2, ITEMS)

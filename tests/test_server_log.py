@@ -1,17 +1,22 @@
 """The server's log never blocks its requests (service.logs): a log reader that stops reading
-costs log lines, not service."""
+costs log lines, not service. With `--log-format json` every line the process writes, on stdout
+and stderr, is one JSON object."""
 
 from __future__ import annotations
 
 import fcntl
 import io
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 from PIL import Image
 from serve_process import ServeProcess
 
+from service.cpus import cpu_budget
 from service.logs import ServerLog
 from service.rpc.client import VisionClient
 
@@ -88,3 +93,49 @@ def test_server_keeps_serving_while_nobody_reads_its_log(tmp_path):
     finally:
         os.close(reader)
     assert got.count(b"/grpc.health.v1.Health/Check") >= 1500  # late, but every line arrived
+
+
+def test_json_log_makes_every_line_of_stdout_and_stderr_json(tmp_path):
+    """`serve --log-format json` as the image runs it: the banner on stdout, the start-up lines (the
+    CPUs and the thread defaults they give), access lines, gRPC's own and the drain, all JSON."""
+    args = ["--devices", "cpu:1", "--log-format", "json", "--health-port", "0", "--cache-mb", "0"]
+    with ServeProcess.start(args, log_path=tmp_path / "serve.log") as server:
+        with VisionClient(server.target, timeout=30) as client:
+            assert client.health() == "SERVING"
+            assert client.count_tokens(_tiny_png()).num_tokens == 1
+        assert server.terminate() == 0
+        stdout, stderr = list(server.stdout_lines), server.log_text().splitlines()
+    records = [json.loads(line) for line in stdout + stderr]  # each line is one JSON object
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records)
+    (banner,) = [json.loads(line) for line in stdout]
+    assert banner["logger"] == "kimi_vision" and "(health SERVING)" in banner["message"]
+    messages = [r["message"] for r in records]
+    budget = cpu_budget()
+    assert f"CPUs: {budget}; {budget.usable} torch threads in this process" in messages
+    assert f"encoder workers: cpu ({budget.per_worker(1)} torch/OpenCV threads each); {max(2, budget.usable)} " \
+           "request threads" in messages
+    assert any("CountTokens" in m for m in messages)  # the access line
+
+
+def test_json_log_captures_whatever_else_reaches_stdout(tmp_path):
+    """A stray `print`, a raw write on fd 1 and a child's output become records of the logger
+    `stdout` in the log (stderr); stdout itself holds only what `announce` writes, as JSON."""
+    code = (
+        "import os, subprocess, sys\n"
+        "from service.logs import ServerLog\n"
+        "log = ServerLog(log_format='json')\n"
+        "print('a stray print')\n"
+        "os.write(1, b'a raw write\\n')\n"
+        "subprocess.run(['echo', 'a child'], check=True)\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "log.announce('serving on here')\n"
+        "log.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr
+    (banner,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (banner["logger"], banner["message"]) == ("kimi_vision", "serving on here")
+    logged = [json.loads(line) for line in done.stderr.splitlines()]
+    assert sorted((r["logger"], r["message"]) for r in logged) == [
+        ("stderr", "to stderr"), ("stdout", "a child"), ("stdout", "a raw write"), ("stdout", "a stray print")]

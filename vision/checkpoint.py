@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -157,7 +158,7 @@ def write_checkpoint(
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _save_shard(shard, out / fname)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
@@ -166,6 +167,20 @@ def write_checkpoint(
     for name, content in (json_files or {}).items():
         _write_json(out / name, content)
     return out
+
+
+def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`, leaving the file with the permissions `open()` gives (0666 less the umask), as
+    every other file of the checkpoint has: safetensors writes a 0600 file of its own whatever the
+    umask, and a checkpoint is often read by another user (a container's, a server's)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    save_file(shard, str(path), metadata={"format": "pt"})
+    os.chmod(path, mode)
 
 
 def _write_json(path: Path, content: Mapping | Iterable) -> None:

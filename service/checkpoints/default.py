@@ -3,16 +3,18 @@
 Commands that need a model and get no `--checkpoint` use it. The directory name carries the
 generator version and the list of parts, so a changed generator builds a fresh one. It is built
 in a temporary sibling and renamed into place, so a reader never sees a half-written checkpoint
-and two processes racing to build it both end up using one complete copy.
+and two processes racing to build it both end up using one complete copy. Its directories and
+files get ordinary permissions (0755 and 0644 under umask 022): a container image builds it as
+root and serves it as another user.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from service.checkpoints import make
@@ -45,7 +47,9 @@ def default_checkpoint_dir() -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     print(f"kimi-vision: building the embedded {DEFAULT_PRESET} default checkpoint in {target} (once)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    # Not tempfile.mkdtemp: its directory is 0700, which only its maker may read.
+    tmp = root / f".{target.name}.{os.getpid()}-{secrets.token_hex(6)}"
+    tmp.mkdir()
     try:
         make.make_checkpoint(tmp, preset=DEFAULT_PRESET, seed=DEFAULT_SEED)
         try:

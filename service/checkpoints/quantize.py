@@ -81,10 +81,11 @@ def quantize_checkpoint(src: Path, out: Path, quant: dict[str, Any] | None = Non
         for item in sorted(ckpt.path.iterdir()):
             if item.name in skip or item.name.endswith(".safetensors") or item.name.startswith("."):
                 continue
+            # The content only: the copies get ordinary permissions, as the files written here do.
             if item.is_dir():
-                shutil.copytree(item, out / item.name)
+                shutil.copytree(item, out / item.name, copy_function=shutil.copyfile)
             else:
-                shutil.copy2(item, out / item.name)
+                shutil.copyfile(item, out / item.name)
     except OSError as e:
         raise QuantizeError(f"cannot write {out}: {e}") from None
     finally:

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from service.engine import Engine, EngineConfig
     from service.engine.vllm_ec import write_ec
     from service.errors import ServiceError
+    from service.files import atomic_path
     from vision.checkpoint import CheckpointError
 
     devices = f"cpu:{args.workers}" if args.workers is not None else (args.devices or "auto")
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         for key, rows in tensors.items():
             print(f"{key}: {write_ec(args.out, hashes[key], rows)}")
     else:
-        save_file(tensors, args.out, metadata={"kimi_vision": json.dumps(meta, sort_keys=True)})
+        with atomic_path(args.out) as tmp:  # ordinary permissions (save_file's own are 0600), and atomic
+            save_file(tensors, str(tmp), metadata={"kimi_vision": json.dumps(meta, sort_keys=True)})
     print(f"wrote {len(tensors)} embeddings to {args.out} in {time.perf_counter() - start:.2f} s")
     return status

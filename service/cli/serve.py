@@ -4,7 +4,10 @@ face) until SIGTERM (which drains both) or Ctrl-C."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from service.cli.common import (
     add_image_limit_arguments,
@@ -13,6 +16,11 @@ from service.cli.common import (
     checkpoint_dir,
     image_limits,
 )
+
+if TYPE_CHECKING:
+    from service.logs import ServerLog
+
+log = logging.getLogger("kimi_vision.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve the gRPC health service alone on this port, plaintext and without the "
                              "token, for Kubernetes' gRPC probes when the main port has TLS or a token "
                              "(0 = any free port)")
+    parser.add_argument("--threads-per-worker", type=int, metavar="N",
+                        help="torch and OpenCV threads in each encoder worker (default: the CPUs this process may "
+                             "use, affinity and cgroup quota, split between the workers)")
     parser.add_argument("--max-concurrency", type=int, default=4, metavar="N", help="requests working at once")
     parser.add_argument("--max-queue", type=int, default=32, metavar="N",
                         help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
@@ -69,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    for name in ("max_concurrency", "max_message_mb", "max_images"):
+    for name in ("max_concurrency", "max_message_mb", "max_images", "threads_per_worker"):
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     if args.max_image_mb is not None and args.max_image_mb > args.max_message_mb:
         return (f"--max-image-mb {args.max_image_mb} is larger than --max-message-mb {args.max_message_mb}: every "
@@ -109,6 +120,18 @@ def _security(args: argparse.Namespace) -> tuple[tuple, object | None, str | Non
 
 
 def run(args: argparse.Namespace) -> int:
+    from service.logs import ServerLog
+
+    # Before anything else is said (a usage error, building the default checkpoint included), so all
+    # of it is in the log's format; written off the event loop: a stuck log reader never stalls requests.
+    server_log = ServerLog(log_format=args.log_format)
+    try:
+        return _run(args, server_log)
+    finally:
+        server_log.close()
+
+
+def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
     problem = _problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -121,10 +144,12 @@ def run(args: argparse.Namespace) -> int:
 
     import asyncio
 
+    import torch
+
     from service import tracing
+    from service.cpus import cpu_budget
     from service.engine import EngineConfig
     from service.http.app import HttpConfig
-    from service.logs import ServerLog
     from service.rpc.server import GrpcConfig
     from service.server import ServerConfig, VisionServer, serve
 
@@ -135,14 +160,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
+    # This process runs the trunk: its torch threads too follow the CPUs it may use (torch's own
+    # default counts the affinity mask, not a container's quota), unless OMP_NUM_THREADS says.
+    cpus = cpu_budget()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpus.usable)
+    log.info("CPUs: %s; %d torch threads in this process", cpus, torch.get_num_threads())
+
     def announce(server: VisionServer) -> None:
         ports = (("http", server.http_port), ("health", server.health_port), ("metrics", server.metrics_port))
         more = "".join(f"; {name} on {args.host}:{port}" for name, port in ports if port is not None)
-        print(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}", flush=True)
+        server_log.announce(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}")
 
-    # Before anything else is said (building the default checkpoint included), so all of it is in
-    # the log's format; written off the event loop: a stuck log reader never stalls requests.
-    server_log = ServerLog(log_format=args.log_format)
     try:
         config = ServerConfig(
             host=args.host, port=args.port, http_port=args.http_port, health_port=args.health_port,
@@ -156,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         )
         engine_config = EngineConfig(
             checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
+            threads_per_worker=args.threads_per_worker,
             limits=image_limits(args, max_mb=args.max_message_mb), max_images=args.max_images,
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
@@ -166,4 +196,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         tracing.shutdown()  # the spans still queued go out first
-        server_log.close()

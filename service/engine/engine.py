@@ -36,6 +36,7 @@ import torch
 from PIL import Image
 
 from service import tracing
+from service.cpus import cpu_budget
 from service.engine.allocator import KEEP_FREED_BYTES, keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
@@ -153,7 +154,7 @@ class _Stopped(Exception):
 class EngineConfig:
     checkpoint: str | os.PathLike[str]  # resolved by the caller (the CLI resolves the embedded default)
     devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
-    threads_per_worker: int | None = None  # torch/OpenCV threads per encoder worker (None: cores / workers)
+    threads_per_worker: int | None = None  # torch/OpenCV threads per encoder worker (None: usable CPUs / workers)
     patchify: str = "auto"  # where encoder workers build the float patches: auto (GPU: device) | device | host
     components: Components = "all"  # "vision": tokenizer, tower and projector only; no trunk is loaded
     # The model id vLLM runs (`vllm serve MODEL`): it keys vLLM's mm_hash of every image, and names
@@ -166,7 +167,8 @@ class EngineConfig:
     max_request_pixels: int = 200_000_000  # decoded pixels of all of a request's images together
     cache_bytes: int = 1 << 30
     ec_export_dir: str | os.PathLike[str] | None = None  # where vLLM encoder-cache files may be written
-    cpu_threads: int = max(2, os.cpu_count() or 2)
+    # cpu_executor's threads (default: the usable CPUs, service.cpus, at least 2)
+    cpu_threads: int = field(default_factory=lambda: max(2, cpu_budget().usable))
     # Free memory each malloc arena keeps for the next image (service.engine.allocator), in this
     # process and in each encoder worker; 0 leaves their allocators as they are.
     keep_freed_bytes: int = KEEP_FREED_BYTES
@@ -265,6 +267,8 @@ class Engine:
         pool = EncoderPool(directory, config.devices, limits=config.limits,
                            threads_per_worker=config.threads_per_worker, patchify=config.patchify,
                            keep_freed_bytes=config.keep_freed_bytes)
+        log.info("encoder workers: %s (%d torch/OpenCV threads each); %d request threads", ", ".join(pool.devices),
+                 pool.threads_per_worker, config.cpu_threads)
         model = None
         try:
             if config.components == "all":

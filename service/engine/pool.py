@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
+from service.cpus import cpu_budget
 from service.engine.allocator import KEEP_FREED_BYTES
 from service.engine.worker import pack_bytes, resolve_patchify, unpack_rows, worker_main
 from service.errors import Kind, ServiceError
@@ -217,8 +218,8 @@ class EncoderPool:
         self.limits = limits
         self.patchify = patchify
         self.max_inflight_bytes = max_inflight_bytes
-        # Split the cores between workers: oversubscribed OpenMP threads spin and lose badly.
-        self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.devices))
+        # The usable CPUs split between workers: oversubscribed OpenMP threads spin and lose badly.
+        self.threads_per_worker = threads_per_worker or cpu_budget().per_worker(len(self.devices))
         self._dtype = dtype
         self._inline_bytes = inline_bytes
         self._keep_freed_bytes = keep_freed_bytes
@@ -340,7 +341,7 @@ class EncoderPool:
         slot.results = receive
         slot.process = self._ctx.Process(
             target=worker_main,
-            args=(slot.device, self.checkpoint_dir, self._dtype, self._threads, self.limits, self.patchify,
+            args=(slot.device, self.checkpoint_dir, self._dtype, self.threads_per_worker, self.limits, self.patchify,
                   self._inline_bytes, self._keep_freed_bytes, slot.requests, send),
             name=f"kimi-vision-encoder-{slot.index}",
             daemon=True,
