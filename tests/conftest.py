@@ -51,6 +51,16 @@ def tiny_engine(tiny_checkpoint: Path):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def rpc_client(server):
+    """A blocking gRPC client of the module's own `server` fixture (a server thread or process: anything
+    with a `target`)."""
+    from service.rpc.client import VisionClient
+
+    with VisionClient(server.target, timeout=120) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's tiny tokenizer files (textcore.tiny_vocab), written once."""

@@ -93,11 +93,6 @@ def http(server):
         yield client
 
 
-@pytest.fixture(scope="module")
-def rpc(server):
-    with VisionClient(server.target, timeout=120) as client:
-        yield client
-
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory, export_dir):
@@ -106,8 +101,8 @@ def producer(tmp_path_factory, export_dir):
     args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer"]
     with (ServeProcess.start(args, log_path=log) as proc,
           httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
-          VisionClient(proc.target, timeout=120) as rpc):
-        yield SimpleNamespace(proc=proc, http=http, rpc=rpc)
+          VisionClient(proc.target, timeout=120) as rpc_client):
+        yield SimpleNamespace(proc=proc, http=http, rpc=rpc_client)
 
 
 def _error(reply: httpx.Response, status: int, words: str) -> None:
@@ -305,12 +300,13 @@ def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, e
 # Chat completions through the trunk
 
 
-def test_chat_completions_streamed_and_not(http, rpc):
+def test_chat_completions_streamed_and_not(http, rpc_client):
     data = SAMPLE.read_bytes()
     request = _chat(data, max_tokens=6)
     whole = ChatCompletion.model_validate(http.post("/v1/chat/completions", json=request).json())
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
-    assert whole.usage.prompt_tokens == rpc.count_tokens(messages=[user("What is in the image?", data)]).num_tokens
+    counted = rpc_client.count_tokens(messages=[user("What is in the image?", data)])
+    assert whole.usage.prompt_tokens == counted.num_tokens
     message = whole.choices[0].message.model_dump()
     assert set(message) >= {"role", "content", "reasoning"}  # reasoning text where vLLM puts it
 
@@ -372,7 +368,7 @@ def test_error_bodies_and_statuses(http, server):
 
 @pytest.mark.parametrize(("sampling", "message"), [({"top_p": 5}, "top_p must be in (0, 1], got 5.0"),
                                                   ({"temperature": -1}, "temperature must be >= 0, got -1.0")])
-def test_every_face_reports_a_bad_sampling_value_alike(http, rpc, server, tmp_path, sampling, message):
+def test_every_face_reports_a_bad_sampling_value_alike(http, rpc_client, server, tmp_path, sampling, message):
     """SamplingParams is the one place the ranges are checked: the HTTP face (400, the OpenAI error
     object), the gRPC face (INVALID_ARGUMENT) and a batch job (an error row, bad_input) give its
     message, word for word."""
@@ -387,7 +383,7 @@ def test_every_face_reports_a_bad_sampling_value_alike(http, rpc, server, tmp_pa
     assert (error.message, error.type, error.code) == (message, "invalid_request_error", 400)
 
     with pytest.raises(grpc.RpcError) as info:
-        list(rpc.generate([user("Say hi.")], max_new_tokens=2, sampling=sampling))
+        list(rpc_client.generate([user("Say hi.")], max_new_tokens=2, sampling=sampling))
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
     lines, output = tmp_path / "lines.jsonl", tmp_path / "out.jsonl"

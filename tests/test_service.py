@@ -70,11 +70,6 @@ def _pool_rows(engine: Engine, data: bytes) -> torch.Tensor:
     return engine.pool.submit(data, vision.DEFAULT_OPTIONS, vision.plan_image(data)).result(60)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with VisionClient(server.target, timeout=120) as c:
-        yield c
-
 
 @pytest.fixture(scope="module")
 def stopper(server, tiny_checkpoint):
@@ -131,10 +126,10 @@ def narrow(server):
 # Health, reflection, metrics
 
 
-def test_health_and_reflection(server, client):
-    assert client.health() == "SERVING"
-    assert client.health(service="") == "SERVING"
-    db = ProtoReflectionDescriptorDatabase(client.channel)
+def test_health_and_reflection(server, rpc_client):
+    assert rpc_client.health() == "SERVING"
+    assert rpc_client.health(service="") == "SERVING"
+    db = ProtoReflectionDescriptorDatabase(rpc_client.channel)
     services = set(db.get_services())
     assert {"kimi.vision.v1.VisionService", "grpc.health.v1.Health"} <= services
     service = db.FindFileContainingSymbol("kimi.vision.v1.VisionService")
@@ -160,10 +155,10 @@ def test_not_serving_until_warm(tmp_path):
 # Preprocess / CountTokens
 
 
-def test_preprocess_matches_in_process(client):
+def test_preprocess_matches_in_process(rpc_client):
     data = png(225, 223, seed=1, mode="RGBA")
     ref = vision.preprocess_image(data)
-    reply = client.preprocess(data)
+    reply = rpc_client.preprocess(data)
     assert (reply.orig_width, reply.orig_height) == ref.orig_size == (225, 223)
     assert (reply.width, reply.height) == ref.size
     assert (reply.padded_width, reply.padded_height) == ref.padded_size
@@ -172,23 +167,23 @@ def test_preprocess_matches_in_process(client):
     assert reply.prompt == ref.prompt == "<|media_begin|>image 225x223<|media_content|><|media_pad|><|media_end|>"
     assert not reply.HasField("pixel_values")
 
-    image = client.preprocess(data, return_pixels=True)
+    image = rpc_client.preprocess(data, return_pixels=True)
     assert image.pixel_values.dtype == "uint8"
     np.testing.assert_array_equal(to_numpy(image.pixel_values.dtype, image.pixel_values.shape,
                                            image.pixel_values.data), ref.image)
-    patches = client.preprocess(data, return_pixels=True, pixel_format="patches").pixel_values
+    patches = rpc_client.preprocess(data, return_pixels=True, pixel_format="patches").pixel_values
     assert patches.dtype == "float32" and list(patches.shape) == [ref.grid_thw[1] * ref.grid_thw[2], 3, 14, 14]
     np.testing.assert_array_equal(to_numpy(patches.dtype, patches.shape, patches.data), ref.pixel_values)
 
 
-def test_count_tokens_image_and_chat(client):
+def test_count_tokens_image_and_chat(rpc_client):
     data = jpeg(1920, 1080)
-    assert client.count_tokens(data).num_tokens == 2691  # K3_FACTS example
-    assert client.count_tokens(data).image_tokens == [2691]
+    assert rpc_client.count_tokens(data).num_tokens == 2691  # K3_FACTS example
+    assert rpc_client.count_tokens(data).image_tokens == [2691]
     small = png(100, 60)
     chat = [user("Compare", small, "with", png(56, 56, seed=2))]
-    counted = client.count_tokens(messages=chat)
-    encoded = client.encode(chat)
+    counted = rpc_client.count_tokens(messages=chat)
+    encoded = rpc_client.encode(chat)
     assert counted.num_tokens == len(encoded.input_ids)
     assert list(counted.image_tokens) == [s.length for s in encoded.header.spans] == [12, 4]
     assert counted.text_tokens == counted.num_tokens - 16
@@ -198,22 +193,22 @@ def test_count_tokens_image_and_chat(client):
 # Embed / Encode / splicing
 
 
-def test_embed_equals_projector_rows_and_is_cached(server, client):
+def test_embed_equals_projector_rows_and_is_cached(server, rpc_client):
     data = png(130, 90, seed=3)
     ref = _pool_rows(server.engine, data)
-    header, rows = client.embed(data)
+    header, rows = rpc_client.embed(data)
     assert header.num_tokens == ref.shape[0] and header.hidden_size == ref.shape[1]
     assert list(header.shape) == list(ref.shape) and header.dtype == "float32"
     assert header.nbytes == rows.nbytes
     np.testing.assert_array_equal(rows, ref.numpy())
-    again, rows2 = client.embed(data)
+    again, rows2 = rpc_client.embed(data)
     assert again.cached and not header.cached and again.content_hash == header.content_hash
     np.testing.assert_array_equal(rows2, rows)
     # The hash covers the options: another token cap is another entry.
-    capped, _ = client.embed(pb.Image(data=data, options=pb.ImageOptions(max_tokens=4)))
+    capped, _ = rpc_client.embed(pb.Image(data=data, options=pb.ImageOptions(max_tokens=4)))
     assert capped.content_hash != header.content_hash and capped.num_tokens <= 4
     # bfloat16 travels as its raw 16-bit words and decodes to exactly the rounded rows.
-    bf16, rows_bf16 = client.embed(data, dtype="bfloat16")
+    bf16, rows_bf16 = rpc_client.embed(data, dtype="bfloat16")
     assert bf16.nbytes == rows.size * 2
     np.testing.assert_array_equal(rows_bf16, ref.to(torch.bfloat16).float().numpy())
 
@@ -227,10 +222,10 @@ def test_embed_streams_in_chunks_of_at_most_4_mib(server):
     assert sum(len(ch.data) for ch in chunks[1:]) == chunks[0].header.nbytes
 
 
-def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
+def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client):
     a, b, c = png(100, 60, seed=5), png(84, 84, seed=6), png(60, 100, seed=7)
     chat = [message("system", "Be brief."), user("First", a, "second", b), user("third", c, "done")]
-    encoded = client.encode(chat)
+    encoded = rpc_client.encode(chat)
     header, ids = encoded.header, encoded.input_ids
     pres = [vision.preprocess_image(x) for x in (a, b, c)]
     refs = [_pool_rows(server.engine, x) for x in (a, b, c)]
@@ -267,18 +262,18 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, client):
         torch.testing.assert_close(embeds[span.offset:span.offset + span.length], ref, rtol=0, atol=0)
 
 
-def test_same_image_twice_in_one_request(client):
+def test_same_image_twice_in_one_request(rpc_client):
     data = png(42, 42, seed=11)
-    encoded = client.encode([user("a", data, "b", data)])
+    encoded = rpc_client.encode([user("a", data, "b", data)])
     first, second = encoded.header.spans
     assert first.content_hash == second.content_hash and first.length == second.length == 4
     assert second.offset > first.offset + first.length  # "b" sits between them
     np.testing.assert_array_equal(encoded.embeddings[:4], encoded.embeddings[4:])
 
 
-def test_encode_writes_vllm_encoder_cache(server, client, export_dir):
+def test_encode_writes_vllm_encoder_cache(server, rpc_client, export_dir):
     data = png(70, 70, seed=8)
-    encoded = client.encode([user("x", data)], export_vllm_ec=True)
+    encoded = rpc_client.encode([user("x", data)], export_vllm_ec=True)
     (span,) = encoded.header.spans
     # Named by the key vLLM looks the image up by: its mm_hash under the served model id.
     assert span.mm_hash == mm_hash(data, server.engine.model_id) == mm_hash(data, "moonshotai/Kimi-K3")
@@ -288,7 +283,7 @@ def test_encode_writes_vllm_encoder_cache(server, client, export_dir):
     assert list(written.shape) == [span.length, encoded.header.hidden_size]
     np.testing.assert_array_equal(written.float().numpy(), encoded.embeddings)
     # A client's own item uuid is the key, verbatim (as vLLM uses it).
-    tagged = client.encode([user("x", pb.Image(data=data, uuid="client-item-1"))], export_vllm_ec=True)
+    tagged = rpc_client.encode([user("x", pb.Image(data=data, uuid="client-item-1"))], export_vllm_ec=True)
     assert tagged.header.spans[0].mm_hash == "client-item-1"
     assert (export_dir / "client-item-1" / "encoder_cache.safetensors").is_file()
 
@@ -309,16 +304,16 @@ def test_generate_streams_and_stops_at_end_of_msg(stopper):
     assert with_image[:-1] == events[:-1]
 
 
-def test_generate_with_image_runs_to_length(client):
+def test_generate_with_image_runs_to_length(rpc_client):
     image = png(90, 90, seed=9)
-    events = list(client.generate([user("What is this?", image)], max_new_tokens=5,
+    events = list(rpc_client.generate([user("What is this?", image)], max_new_tokens=5,
                                   sampling={"temperature": 0.8, "top_p": 0.9, "seed": 7}))
     finish = events[-1].finish
     assert finish.reason == pb.FINISH_REASON_LENGTH and finish.usage.completion_tokens == 5
     assert finish.usage.image_tokens == vision.count_tokens(image) == 16
-    assert finish.usage.prompt_tokens == client.count_tokens(messages=[user("What is this?", image)]).num_tokens
+    assert finish.usage.prompt_tokens == rpc_client.count_tokens(messages=[user("What is this?", image)]).num_tokens
     assert len(events) >= 2  # parsed output streamed before the finish event
-    again = list(client.generate([user("What is this?", image)], max_new_tokens=5,
+    again = list(rpc_client.generate([user("What is this?", image)], max_new_tokens=5,
                                  sampling={"temperature": 0.8, "top_p": 0.9, "seed": 7}))
     assert again == events  # same seed, same reply
 
@@ -344,19 +339,19 @@ def _code(call) -> grpc.StatusCode:
     return info.value
 
 
-def test_invalid_argument_names_the_problem(client):
-    err = _code(lambda: client.preprocess(b"definitely not an image"))
+def test_invalid_argument_names_the_problem(rpc_client):
+    err = _code(lambda: rpc_client.preprocess(b"definitely not an image"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad image" in err.details()
     assert "Traceback" not in err.details()
-    err = _code(lambda: client.embed(png(10, 10), dtype="int4"))
+    err = _code(lambda: rpc_client.embed(png(10, 10), dtype="int4"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.details()
-    err = _code(lambda: client.encode([user("look", png(28, 28), b"GIF89a-truncated")]))
+    err = _code(lambda: rpc_client.encode([user("look", png(28, 28), b"GIF89a-truncated")]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].content[2]" in err.details()
-    err = _code(lambda: client.encode([user(*[png(28, 28, seed=i) for i in range(5)])]))
+    err = _code(lambda: rpc_client.encode([user(*[png(28, 28, seed=i) for i in range(5)])]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many images" in err.details()
-    err = _code(lambda: client.encode([pb.ChatMessage(role="robot", content=[pb.ContentPart(text="hi")])]))
+    err = _code(lambda: rpc_client.encode([pb.ChatMessage(role="robot", content=[pb.ContentPart(text="hi")])]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.details()
-    err = _code(lambda: next(client.generate([user("hi")], tools="{not json", max_new_tokens=1)))
+    err = _code(lambda: next(rpc_client.generate([user("hi")], tools="{not json", max_new_tokens=1)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools_json" in err.details()
 
 
@@ -366,11 +361,11 @@ def test_message_size_limit(server):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_video_is_unimplemented(client):
+def test_video_is_unimplemented(rpc_client):
     mp4 = b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41" + b"\x00" * 64
-    err = _code(lambda: client.preprocess(mp4))
+    err = _code(lambda: rpc_client.preprocess(mp4))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "video" in err.details()
-    err = _code(lambda: client.embed(pb.Image(data=png(28, 28), mime_type="video/mp4")))
+    err = _code(lambda: rpc_client.embed(pb.Image(data=png(28, 28), mime_type="video/mp4")))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -392,9 +387,9 @@ def _trunk_idle_within(engine, seconds: float) -> bool:
     return engine.trunk_executor.submit(lambda: None).result(timeout=seconds) is None
 
 
-def test_deadline_exceeded_stops_generation(server, client):
+def test_deadline_exceeded_stops_generation(server, rpc_client):
     start = time.monotonic()
-    err = _code(lambda: list(client.generate([user("Tell me a long story")], max_new_tokens=4000, timeout=1.5)))
+    err = _code(lambda: list(rpc_client.generate([user("Tell me a long story")], max_new_tokens=4000, timeout=1.5)))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 30
     # 4000 tokens take minutes here; the trunk must be free again within seconds.
@@ -440,8 +435,8 @@ def test_overload_cancel_and_drain(narrow, server):
         drained.result(timeout=60)
 
 
-def test_metrics_endpoint(server, client, metrics_port):
-    client.preprocess(png(28, 28))
+def test_metrics_endpoint(server, rpc_client, metrics_port):
+    rpc_client.preprocess(png(28, 28))
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     rpc = 'grpc_method="Preprocess",grpc_service="kimi.vision.v1.VisionService",grpc_type="unary"'
     assert f'grpc_server_handled_total{{grpc_code="OK",{rpc}}}' in text
@@ -450,10 +445,10 @@ def test_metrics_endpoint(server, client, metrics_port):
     assert "kimi_vision_encoder_workers_ready 1.0" in text
 
 
-def test_concurrent_requests_share_the_pool(client):
+def test_concurrent_requests_share_the_pool(rpc_client):
     images = [png(56 + 28 * i, 56, seed=20 + i) for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(lambda d: client.embed(d)[1].shape[0], images))
+        results = list(pool.map(lambda d: rpc_client.embed(d)[1].shape[0], images))
     assert results == [vision.count_tokens(d) for d in images]
 
 
@@ -474,7 +469,7 @@ def test_sample_client_script(server):
     assert "[3 tokens generated]" in out.stdout
 
 
-def test_worker_death_is_unavailable_and_health_recovers(server, client):
+def test_worker_death_is_unavailable_and_health_recovers(server, rpc_client):
     """kill -9 of the encoder worker mid-request: that request is UNAVAILABLE (retryable), the pool
     restarts the worker, health is SERVING again and the same request then succeeds."""
     import os
@@ -483,7 +478,7 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
     pool = server.engine.pool
     data = png(1000, 1000, seed=99)  # ~5k patches: the tiny tower needs a while on them
     with concurrent.futures.ThreadPoolExecutor(1) as runner:
-        call = runner.submit(client.embed, data)
+        call = runner.submit(rpc_client.embed, data)
         deadline = time.monotonic() + 60
         while not pool.health()["workers"][0]["inflight"] and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -491,12 +486,12 @@ def test_worker_death_is_unavailable_and_health_recovers(server, client):
         with pytest.raises(grpc.RpcError) as info:
             call.result(timeout=60)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "died" in info.value.details()
-    header, rows = client.embed(data)
+    header, rows = rpc_client.embed(data)
     assert rows.shape == (vision.count_tokens(data), header.hidden_size)
     deadline = time.monotonic() + 30
-    while client.health() != "SERVING" and time.monotonic() < deadline:
+    while rpc_client.health() != "SERVING" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert client.health() == "SERVING"
+    assert rpc_client.health() == "SERVING"
 
 
 def test_demo_command(tiny_checkpoint, tmp_path):
