@@ -5,10 +5,11 @@ queue stands in front of a fixed number of work slots. A request over capacity i
 (`service.server`) sets the state and the engine.
 
 A request takes its place first (`enter`: the state, then the capacity), and keeps it until it
-ends, whatever it waits for: a body slot while the HTTP face reads its body (`Ticket.body`: a
-bounded number of bodies in flight, so the bodies read at once are bounded whatever the clients
-send), its remote images (the fetcher's own bound), then a work slot (`Ticket.work`, which yields
-the engine). `admit()` is both at once, for a request that arrived whole (gRPC).
+ends, whatever it waits for: a body slot while the HTTP face reads its body (`Ticket.reading`: a
+bounded number of bodies in flight, so what is read at once is bounded whatever the clients send,
+and every body read is one of the admitted requests'), its remote images (the fetcher's own
+bound), then a work slot (`Ticket.work`, which yields the engine). `admit()` is both at once, for
+a request that arrived whole (gRPC).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ class Ticket:
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._body = False
         self.waiting = True  # counted in the queue depth until it works
 
-    async def body(self) -> None:
-        """Wait for a body slot, held until the request ends (its body lives as long)."""
-        await self._admission._bodies.acquire()
-        self._body = True
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[None]:
+        """A body slot, while the block reads (and parses) the body."""
+        async with self._admission._bodies:
+            yield
 
     @contextlib.asynccontextmanager
     async def work(self) -> AsyncIterator[Engine]:
@@ -71,15 +72,13 @@ class Ticket:
     def _leave(self) -> None:
         if self.waiting:
             self._admission._metrics.queue_depth.dec()
-        if self._body:
-            self._admission._bodies.release()
         self._admission.admitted -= 1
 
 
 class Admission:
     """`slots` requests work at once; up to `queue` more wait (for a slot, or before it: reading
-    their body, fetching their images); anything more is refused. `bodies`: request bodies in
-    flight at once (being read, or held by a request not yet answered).
+    their body, fetching their images); anything more is refused. `bodies`: request bodies being
+    read at once.
 
     `admit()` yields the engine: the faces reach it only through admission."""
 

@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "/v1/models) on this port (0 = any free port)")
     add_remote_image_arguments(parser, who="HTTP requests")
     parser.add_argument("--max-bodies-in-flight", type=positive_int, default=8, metavar="N",
-                        help="HTTP request bodies being read or held by requests not yet answered, at once; "
-                             "the others wait within --max-queue (default 8)")
+                        help="HTTP request bodies being read at once (each request takes its --max-queue place "
+                             "first; the others wait there) (default 8)")
     parser.add_argument("--http-header-timeout", type=positive_float, default=10.0, metavar="S",
                         help="seconds an HTTP connection has for its request line and headers, else 408 and "
                              "closed (default 10)")

@@ -481,8 +481,9 @@ class Engine:
         if chat.kwargs.get("add_generation_prompt") is False:
             raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
         # The cost is known before any pixel is decoded: the prompt, its images counted from their headers.
-        prepared = await self.run_cpu(self._prepare, chat.images)
-        prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
+        with tracing.span("preprocess", images=len(chat.images)):
+            prepared = await self.run_cpu(self._prepare, chat.images)
+            prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
         params = self._fit(params, prompt_tokens.total)
         embeddings = await self.embed(chat.images, prepared=prepared)
         loop = asyncio.get_running_loop()

@@ -11,7 +11,7 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
 - `GET /v1/models`: the served model names.
 
 A chat completion's cost is admitted before the work: it takes its admission place before its
-body is read (a bounded number of bodies in flight, each read within `body_timeout_s`: a slow
+body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
 client gets 408 and is closed), then every cheap check (the model, the image count, the sampling
 values, `max_tokens` against the model length) before the first remote image is fetched (all of
 them at once, outside the work slots), and only then a work slot. If the client goes away at any
@@ -282,27 +282,27 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
 
 async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> Any:
     """The body, parsed: its size checked first (declared, then as it comes), read once a body
-    slot is free (`Ticket.body`) and within the body timeout from then."""
+    slot is free (`Ticket.reading`) and within the body timeout from then."""
     limit = config.max_body_bytes
     declared = _length(request.headers)
     if declared is not None and declared > limit:
         raise TooLarge(f"the request body is {declared:,} bytes; the limit is {limit:,}")
-    await ticket.body()
-    raw = bytearray()
-    try:
-        async with asyncio.timeout(config.body_timeout_s):
-            async for piece in request.stream():
-                raw += piece
-                if len(raw) > limit:
-                    raise TooLarge(f"the request body is over the {limit:,}-byte limit")
-    except TimeoutError:
-        raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({len(raw):,} bytes "
-                         f"came{f' of {declared:,}' if declared is not None else ''})") from None
-    except ClientDisconnect:
-        raise ClientGone("the client closed the connection while sending the body") from None
-    if len(raw) > PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(parse_json, raw, "the request body")
-    return parse_json(raw, "the request body")
+    async with ticket.reading():
+        raw = bytearray()
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                async for piece in request.stream():
+                    raw += piece
+                    if len(raw) > limit:
+                        raise TooLarge(f"the request body is over the {limit:,}-byte limit")
+        except TimeoutError:
+            came = f"{len(raw):,} bytes came" + (f" of {declared:,}" if declared is not None else "")
+            raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({came})") from None
+        except ClientDisconnect:
+            raise ClientGone("the client closed the connection while sending the body") from None
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(parse_json, raw, "the request body")
+        return parse_json(raw, "the request body")
 
 
 async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
