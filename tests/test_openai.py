@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import re
 import time
 
 import pytest
@@ -262,3 +263,94 @@ def test_a_reply_as_a_completion_a_stream_and_an_error():
     error = error_body(classify(TooLarge("too big")))
     assert error == {"error": {"message": "too big", "type": "invalid_request_error", "param": None, "code": 413}}
     assert classify(Unavailable("x")).kind == Kind.UNAVAILABLE
+
+
+# The `openai` SDK's request types are the oracle for OpenAI's shapes.
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+          {"type": "custom", "custom": {"name": "grammar_tool", "format": {"type": "text"}}}]
+_SHAPES = {
+    "tools": [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": None}},
+        {"type": "function", "function": {"name": "f", "strict": True}},
+        {"type": "function", "function": {"name": "f", "parameters": "{}"}},
+        {"type": "function", "function": {"name": "f", "strict": "yes"}},
+        {"type": "function", "function": {"name": "f", "argumnets": {}}},
+        {"type": "function", "function": {"description": "no name"}},
+        {"type": "function", "function": {"name": 7}},
+        {"type": "function"},
+        {"type": "function", "function": {"name": "f"}, "extra": 1},
+        {"type": "custom", "custom": {"name": "c"}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "grammar", "grammar": {
+            "definition": "start: x", "syntax": "lark"}}}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "grammar", "grammar": {
+            "definition": "x", "syntax": "ebnf"}}}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "yaml"}}},
+        {"type": "retrieval"}, "get_weather", None, [],
+    ],
+    "tool_choice": [
+        "none", "auto", "required", "sometimes", 1, None,
+        {"type": "function", "function": {"name": "get_weather"}},
+        {"type": "function", "function": {}},
+        {"type": "function", "name": "get_weather"},
+        {"type": "custom", "custom": {"name": "grammar_tool"}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {
+            "name": "get_weather"}}]}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "required"}},
+    ],
+    "response_format": [
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "answer"}},
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True,
+                                                "description": "d"}},
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": []}}, {"type": "xml"}, "json_object",
+        {"type": "text", "strict": True}, None,
+    ],
+}
+
+
+def _sdk_accepts(key: str, value) -> bool:
+    from openai.types.chat import ChatCompletionToolChoiceOptionParam, ChatCompletionToolUnionParam
+    from openai.types.chat.completion_create_params import ResponseFormat
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    shape = {"tools": ChatCompletionToolUnionParam, "tool_choice": ChatCompletionToolChoiceOptionParam,
+             "response_format": ResponseFormat}[key]
+    try:
+        TypeAdapter(shape, config=ConfigDict(extra="forbid", strict=True)).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("key", "value"), [(key, value) for key, values in _SHAPES.items() for value in values])
+def test_tools_tool_choice_and_response_format_have_openais_shapes(key, value):
+    """Accepted exactly when the SDK's request type accepts it (an absent value: null); a refusal
+    names the field (400)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": _TOOLS}
+    body[key] = [value] if key == "tools" and value is not None else value
+    expected = value is None or _sdk_accepts(key, value)
+    try:
+        parse_chat_request(body)
+    except BadRequest as exc:
+        assert not expected, exc
+        assert str(exc).startswith(key), exc
+        assert classify(exc).rule.http == 400
+    else:
+        assert expected, f"{key}={value!r} was accepted"
+
+
+def test_the_rules_openai_states_beyond_the_shapes():
+    message = [{"role": "user", "content": "hi"}]
+    for extra, words in (({"tool_choice": "auto"}, "tool_choice 'auto' needs tools"),
+                         ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}},
+                          "tool_choice.function.name 'other' is not one of the function tools given: ['get_weather']"),
+                         ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+                          "tools[0].function.name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'"),
+                         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "1 to 64"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a.b"}}},
+                          "response_format.json_schema.name must be 1 to 64")):
+        with pytest.raises(BadRequest, match=re.escape(words)):
+            parse_chat_request({"messages": message, **extra})
+    assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat_kwargs == {"tool_choice": "none"}
