@@ -5,9 +5,9 @@ the remote-image rules (what is fetched, how fast, from where), in-process and t
         up.url("/image.png"); up.url("/drip/3"); up.url("/to", "file:///etc/passwd"); up.hits
 
 Routes: `/image.png`; `/big.png` (the image 100 times); `/status/N` (an empty answer with status N);
-`/drip/S` (the image a byte at a time over S seconds: every read gets data, only the whole transfer is
-slow); `/to?url` (302 to url); `/loop` (302 to itself); `/hop` (302 to /image.png). Every request is
-counted (`hits`, by path) and its Host header kept (`hosts`).
+`/drip/S` (the image in `DRIP_PIECES` pieces spread over S seconds: every read gets data soon, only
+the whole transfer is slow); `/to?url` (302 to url); `/loop` (302 to itself); `/hop` (302 to
+/image.png). Every request is counted (`hits`, by path) and its Host header kept (`hosts`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import http.server
 import threading
 import time
 from urllib.parse import unquote, urlsplit
+
+DRIP_PIECES = 50
 
 
 class ImageUpstream:
@@ -46,12 +48,13 @@ class ImageUpstream:
                 elif path.startswith("/status/"):
                     self._send(int(path.removeprefix("/status/")), b"")
                 elif path.startswith("/drip/"):
-                    seconds = float(path.removeprefix("/drip/"))
-                    self._head(200, len(upstream.image))
-                    for i in range(len(upstream.image)):
-                        self.wfile.write(upstream.image[i:i + 1])
+                    seconds, image = float(path.removeprefix("/drip/")), upstream.image
+                    self._head(200, len(image))
+                    size = -(-len(image) // DRIP_PIECES)
+                    for i in range(0, len(image), size):
+                        self.wfile.write(image[i:i + size])
                         self.wfile.flush()
-                        time.sleep(seconds / len(upstream.image))
+                        time.sleep(seconds * size / len(image))
                 elif path in ("/to", "/loop", "/hop"):
                     self._redirect({"/to": query, "/loop": "/loop", "/hop": "/image.png"}[path])
                 else:

@@ -158,7 +158,8 @@ class ImageFetcher:
         self.timeout_s = timeout_s
         self.max_redirects = max_redirects
         self.allowed_domains = frozenset(d.lower() for d in allowed_domains) if allowed_domains else None
-        self._remote_slots = asyncio.Semaphore(concurrency)
+        self.concurrency = concurrency
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._ssl: ssl.SSLContext | None = None
 
     async def fetch_all(self, parts: Sequence[ImagePart]) -> list[bytes]:
@@ -202,6 +203,13 @@ class ImageFetcher:
         if scheme in ("", "file") or Path(url).is_absolute():
             return self._local(part)
         raise BadRequest(f"{part.where}: image URL scheme {scheme!r} is not supported (data:, http(s):// or a path)")
+
+    def _remote_slots(self) -> asyncio.Semaphore:
+        """The bound on remote fetches, of the running event loop (a Ray actor runs one per batch)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.concurrency))
+        return self._slots[1]
 
     def _client(self) -> httpx.AsyncClient:
         if self._ssl is None:  # once: loading the CA bundle takes a while
@@ -259,7 +267,7 @@ class ImageFetcher:
             url = httpx.URL(part.url)
         except (httpx.InvalidURL, ValueError) as e:
             raise BadRequest(f"{where}: not a valid URL: {e}") from None
-        async with self._remote_slots:
+        async with self._remote_slots():
             try:
                 async with asyncio.timeout(self.timeout_s):
                     return await self._transfer(where, url, client)
