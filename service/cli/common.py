@@ -82,8 +82,8 @@ def positive_float(text: str) -> float:
 
 def add_remote_image_arguments(parser: argparse.ArgumentParser, *, who: str) -> None:
     """`--allow-remote-images` and the rules its fetches follow (`service.openai.images`); `who`
-    names what may name the URLs ("HTTP requests", "input lines"). The defaults are
-    `service.openai.images`' (not imported here: a command's --help stays light)."""
+    names what may name the URLs ("HTTP requests", "input lines"). The defaults are those of
+    `service.openai.images` (written out, not imported: a command's --help stays light)."""
     parser.add_argument("--allow-remote-images", action="store_true",
                         help=f"let {who} name http(s) image URLs, which are then fetched: only public addresses "
                              "(loopback, private, link-local, multicast and reserved ones are refused, on every "

@@ -96,6 +96,21 @@ def http_error(status: int, message: str, error_type: str = "invalid_request_err
     return JSONResponse(error_object(message, error_type, status), status_code=status, headers=headers)
 
 
+class _Stream(StreamingResponse):
+    """Server-sent events that own their request's admission and generation (`stack`): both are
+    given back however the stream ends (finished, failed, or its client gone, even before it began)."""
+
+    def __init__(self, events: AsyncIterator[str], stack: contextlib.AsyncExitStack) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._stack = stack
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stack.aclose()
+
+
 def _length(headers: Any) -> int | None:
     """A message's declared content-length (None: not declared, as for a stream)."""
     declared = headers.get("content-length")
@@ -245,19 +260,19 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         reply = await _answer(engine, chat_request, chat, params, config)
         if isinstance(reply, dict):
             return JSONResponse(reply)
+        stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
         first = await anext(reply)  # the prefill: its errors are still a status, not a broken stream
 
         async def events() -> AsyncIterator[str]:
-            async with stack:  # the slot is held until the stream ends
-                yield first
-                try:
-                    async for line in reply:
-                        yield line
-                except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
-                    yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
-                    yield "data: [DONE]\n\n"
+            yield first
+            try:
+                async for line in reply:
+                    yield line
+            except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
+                yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
+                yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _Stream(events(), stack)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -267,7 +282,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
             ticket = await stack.enter_async_context(admission.enter())
             body = await _read_body(request, ticket, config)
             response = await _unless_disconnected(request, respond(ticket, body, stack))
-            streaming = isinstance(response, StreamingResponse)  # the stream closes the stack when it ends
+            streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
         except SlowClient as exc:
             return http_error(408, str(exc), "timeout_error", close=True)
