@@ -247,7 +247,7 @@ def print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="each measured phase (default 60)")
-    p.add_argument("--warmup-seconds", type=float, default=20.0, help="warm-up with every kind (default 20)")
+    p.add_argument("--warmup-seconds", type=float, default=30.0, help="warm-up with every kind (default 30)")
     p.add_argument("--clients", type=int, default=2, help="normal clients (default 2)")
     p.add_argument("--max-concurrency", type=int, default=2, help="for the server (default 2)")
     p.add_argument("--devices", default="cpu:1", help="for the server (default cpu:1)")

@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,11 @@ class HttpApp:
         self.config = config
         self.token = BearerToken(config.token) if config.token else None
         self.log_health_checks = log_health_checks
+        # One thread parses the large bodies: their memory stays in one allocator arena.
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-http-json")
+
+    def close(self) -> None:
+        self.parser.shutdown(wait=False, cancel_futures=True)
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
@@ -204,6 +210,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
                log_health_checks: bool = False) -> HttpApp:
     """The face on one server process's admission (which holds the engine) and metrics."""
     app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
+    face = HttpApp(app, metrics, config, log_health_checks)
     fetchers: list[ImageFetcher] = []  # one, made with the engine's per-image limit, shared by every request
 
     def fetcher(engine: Engine) -> ImageFetcher:
@@ -280,7 +287,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         streaming = False
         try:
             ticket = await stack.enter_async_context(admission.enter())
-            body = await _read_body(request, ticket, config)
+            body = await _read_body(request, ticket, config, face.parser)
             response = await _unless_disconnected(request, respond(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
@@ -292,31 +299,39 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
             if not streaming:
                 await stack.aclose()
 
-    return HttpApp(app, metrics, config, log_health_checks)
+    return face
 
 
-async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> Any:
+async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parser: ThreadPoolExecutor) -> Any:
     """The body, parsed: its size checked first (declared, then as it comes), read once a body
-    slot is free (`Ticket.reading`) and within the body timeout from then."""
+    slot is free (`Ticket.reading`) and within the body timeout from then, into one buffer of the
+    declared size (no copies as it grows, nothing for the allocator to keep of them). A large body
+    is parsed on `parser`'s thread, off the event loop."""
     limit = config.max_body_bytes
     declared = _length(request.headers)
     if declared is not None and declared > limit:
         raise TooLarge(f"the request body is {declared:,} bytes; the limit is {limit:,}")
     async with ticket.reading():
-        raw = bytearray()
+        raw = bytearray(declared or 0)
+        size = 0
         try:
             async with asyncio.timeout(config.body_timeout_s):
                 async for piece in request.stream():
-                    raw += piece
-                    if len(raw) > limit:
+                    end = size + len(piece)
+                    if end > limit:
                         raise TooLarge(f"the request body is over the {limit:,}-byte limit")
+                    if end <= len(raw):
+                        raw[size:end] = piece
+                    else:  # not declared (chunked): grown as it comes
+                        raw += piece
+                    size = end
         except TimeoutError:
-            came = f"{len(raw):,} bytes came" + (f" of {declared:,}" if declared is not None else "")
+            came = f"{size:,} bytes came" + (f" of {declared:,}" if declared is not None else "")
             raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({came})") from None
         except ClientDisconnect:
             raise ClientGone("the client closed the connection while sending the body") from None
-        if len(raw) > PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(parse_json, raw, "the request body")
+        if size > PARSE_IN_THREAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(parser, parse_json, raw, "the request body")
         return parse_json(raw, "the request body")
 
 

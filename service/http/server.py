@@ -121,6 +121,7 @@ class HttpServer:
                                 ssl_certfile=certfile, ssl_keyfile=keyfile, timeout_graceful_shutdown=5,
                                 http=protocol, h11_max_incomplete_event_size=app.config.max_header_bytes)
         self._server = _Server(config)
+        self._app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -146,3 +147,4 @@ class HttpServer:
         self._server.should_exit = True
         await self._task
         self._socket.close()
+        self._app.close()
