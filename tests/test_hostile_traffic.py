@@ -275,20 +275,22 @@ def test_images_are_fetched_at_once_outside_the_work_slots(http, upstream):
     assert FETCH_TIMEOUT_S - 0.2 < time.monotonic() - start < FETCH_TIMEOUT_S + 2
 
 
-def test_the_fetch_rules_through_the_server(http, upstream):
+def test_the_fetch_rules_through_the_server(http, upstream, server):
     """Bad input (400, not retried) for what can never work; 503 only for the network of an allowed host."""
     cases = [(upstream.url("/to", "file:///etc/passwd"), 400, "redirected to a file: URL"),
              (upstream.url("/to", "ftp://example.com/x.png"), 400, "redirected to a ftp: URL"),
              (upstream.url("/to", upstream.url("/image.png", host="localhost")), 400, "allowed domains"),
              (upstream.url("/image.png", host="localhost"), 400, "allowed domains"),
              (upstream.url("/status/404"), 400, "HTTP 404"), (upstream.url("/status/503"), 503, "HTTP 503"),
-             ("http://127.0.0.1:1/x.png", 503, "All connection attempts failed"), (upstream.url("/image.png"), 200, "")]
+             ("http://127.0.0.1:1/x.png", 503, "All connection attempts failed"),
+             (upstream.url("/image.png", "signature=URL-SECRET-0042"), 200, "")]
     for url, status, words in cases:
         reply = http.post("/v1/chat/completions", json=_chat(url))
         if status == 200:
             assert reply.status_code == 200, reply.text
         else:
             _error(reply, status, words)
+    assert "URL-SECRET-0042" not in server.log_text()  # a caller's URL is content: never logged
 
 
 # ---------------------------------------------------------------------------------------------

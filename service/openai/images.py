@@ -31,6 +31,7 @@ import base64
 import binascii
 import contextlib
 import ipaddress
+import logging
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -43,6 +44,9 @@ import httpx
 
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.openai.request import ImagePart
+
+# httpx logs every request's URL at INFO: a caller's URL (a signed query, a token) stays out of the log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_REDIRECTS = 3
