@@ -3,6 +3,13 @@
 queue stands in front of a fixed number of work slots. A request over capacity is refused at once
 (`Overloaded`), never parked. The faces (`service.rpc`, `service.http`) only read this; the server
 (`service.server`) sets the state and the engine.
+
+A request takes its place first (`enter`: the state, then the capacity), and keeps it until it
+ends, whatever it waits for: a body slot while the HTTP face reads its body (`Ticket.reading`: a
+bounded number of bodies in flight, so what is read at once is bounded whatever the clients send,
+and every body read is one of the admitted requests'), its remote images (the fetcher's own
+bound), then a work slot (`Ticket.work`, which yields the engine). `admit()` is both at once, for
+a request that arrived whole (gRPC).
 """
 
 from __future__ import annotations
@@ -33,16 +40,54 @@ _REFUSALS = {
 }
 
 
+class Ticket:
+    """One admitted request's place, from `Admission.enter` until it ends."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.waiting = True  # counted in the queue depth until it works
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[None]:
+        """A body slot, while the block reads (and parses) the body."""
+        async with self._admission._bodies:
+            yield
+
+    @contextlib.asynccontextmanager
+    async def work(self) -> AsyncIterator[Engine]:
+        """A work slot: the engine, for as long as the block runs."""
+        admission = self._admission
+        await admission._slots.acquire()
+        self.waiting = False
+        admission._metrics.queue_depth.dec()
+        admission.working += 1
+        admission._metrics.inflight.inc()
+        try:
+            yield admission.engine
+        finally:
+            admission.working -= 1
+            admission._metrics.inflight.dec()
+            admission._slots.release()
+
+    def _leave(self) -> None:
+        if self.waiting:
+            self._admission._metrics.queue_depth.dec()
+        self._admission.admitted -= 1
+
+
 class Admission:
-    """`slots` requests work at once; up to `queue` more wait for a slot; anything more is refused.
+    """`slots` requests work at once; up to `queue` more wait (for a slot, or before it: reading
+    their body, fetching their images); anything more is refused. `bodies`: request bodies being
+    read at once.
 
     `admit()` yields the engine: the faces reach it only through admission."""
 
-    def __init__(self, slots: int, queue: int, metrics: Metrics) -> None:
-        if slots < 1 or queue < 0:
-            raise ValueError("need at least one slot and a non-negative queue")
+    def __init__(self, slots: int, queue: int, metrics: Metrics, *, bodies: int | None = None) -> None:
+        if slots < 1 or queue < 0 or (bodies is not None and bodies < 1):
+            raise ValueError("need at least one slot and one body slot, and a non-negative queue")
         self.capacity = slots + queue
         self._slots = asyncio.Semaphore(slots)
+        self._bodies = asyncio.Semaphore(bodies or self.capacity)
         self._metrics = metrics
         self.state = State.WARMING
         self.engine: Engine | None = None  # set by the server once loaded
@@ -55,7 +100,9 @@ class Admission:
         return self.state == State.SERVING
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[Engine]:
+    async def enter(self) -> AsyncIterator[Ticket]:
+        """A place among the `capacity` requests taken, or the refusal (`Unavailable`: the state;
+        `Overloaded`: full)."""
         refusal = _REFUSALS.get(self.state)
         if refusal is not None:
             raise Unavailable(refusal)
@@ -63,18 +110,13 @@ class Admission:
             raise Overloaded(f"server is at capacity ({self.capacity} requests admitted); retry with backoff")
         self.admitted += 1
         self._metrics.queue_depth.inc()
+        ticket = Ticket(self)
         try:
-            try:
-                await self._slots.acquire()
-            finally:
-                self._metrics.queue_depth.dec()
-            self.working += 1
-            self._metrics.inflight.inc()
-            try:
-                yield self.engine
-            finally:
-                self.working -= 1
-                self._metrics.inflight.dec()
-                self._slots.release()
+            yield ticket
         finally:
-            self.admitted -= 1
+            ticket._leave()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[Engine]:
+        async with self.enter() as ticket, ticket.work() as engine:
+            yield engine

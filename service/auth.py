@@ -4,7 +4,9 @@
 The token comes from `--auth-token` or the `KIMI_VISION_AUTH_TOKEN` environment variable
 (`resolve_token`); the variable keeps it out of the process list. It is never logged. The
 comparison is constant-time over SHA-256 digests, so neither the token's content nor its length
-shows in response times.
+shows in response times. A refusal is an `Unauthenticated` error (the taxonomy's unauthenticated
+kind: gRPC UNAUTHENTICATED, HTTP 401), saying what was wrong: no header, the header sent twice, a
+malformed one, or a wrong token.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import hashlib
 import hmac
 import os
 from collections.abc import Iterable
+
+from service.errors import Unauthenticated
 
 ENV_VAR = "KIMI_VISION_AUTH_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -49,17 +53,21 @@ def _digest(value: str | bytes) -> bytes:
     return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
 
 
-def presented_token(authorization: Iterable[str | bytes]) -> str | None:
-    """The token in the `authorization` values a request carried: exactly one `Bearer <token>`
-    (absent, malformed, or sent twice - ambiguous - is None)."""
+def presented_token(authorization: Iterable[str | bytes]) -> tuple[str | None, str | None]:
+    """The token in the `authorization` values a request carried, as (token, None), or (None, what
+    is wrong with them): none, more than one (ambiguous: which would a proxy have checked?), or not
+    `Bearer <token>`."""
     values = list(authorization)
-    if len(values) != 1:
-        return None
+    if not values:
+        return None, "missing bearer token: send 'authorization: Bearer <token>'"
+    if len(values) > 1:
+        return None, (f"the authorization header was sent {len(values)} times; send 'authorization: Bearer <token>' "
+                      "once")
     value = values[0].decode("latin-1") if isinstance(values[0], bytes) else values[0]
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
+        return None, "malformed authorization header: send 'authorization: Bearer <token>'"
+    return token.strip(), None
 
 
 class BearerToken:
@@ -68,14 +76,12 @@ class BearerToken:
     def __init__(self, token: str) -> None:
         self._digest = _digest(check_token(token))
 
-    def accepts(self, presented: str | None) -> bool:
+    def refusal(self, authorization: Iterable[str | bytes]) -> Unauthenticated | None:
+        """None when `authorization` (every value of the header a request carried) holds this
+        token, else the refusal, saying why (never what was sent)."""
+        token, problem = presented_token(authorization)
         # Always compare (a digest of nothing when absent), so a missing token costs the same.
-        ok = hmac.compare_digest(_digest(presented if presented is not None else b""), self._digest)
-        return ok and presented is not None
-
-
-def refusal(presented: str | None) -> str:
-    """What a refused caller is told."""
-    if presented is None:
-        return "missing bearer token: send 'authorization: Bearer <token>'"
-    return "invalid bearer token"
+        ok = hmac.compare_digest(_digest(token if token is not None else b""), self._digest)
+        if ok and token is not None:
+            return None
+        return Unauthenticated(problem or "invalid bearer token")

@@ -1,6 +1,7 @@
 """The service's one error taxonomy: every failure a caller can meet has a `Kind`, and one table
-says what each kind means on every face: the gRPC status, the HTTP status, and whether a batch
-job retries it (a transient row that `--resume` runs again) or records it for good.
+says what each kind means on every face: the gRPC status, the HTTP status, and what a batch job
+does with it: retries it (a transient row that `--resume` runs again), records it for good, or
+stops (a refused token: every other line would be refused alike).
 
 Domain errors carry their kind as a class attribute `kind` (the `Kind` value as a string), so
 `vision` and `textcore` need nothing from here: `ImageError` is bad input, `ImageTooLargeError`
@@ -32,6 +33,7 @@ class Kind(StrEnum):
     UNSUPPORTED = "unsupported"  # a valid request for something not served (video)
     NOT_CONFIGURED = "not_configured"  # needs something the operator did not enable
     NOT_FOUND = "not_found"  # names something this server does not have (another model)
+    UNAUTHENTICATED = "unauthenticated"  # no valid bearer token: send the right one
     OVERLOADED = "overloaded"  # the admission queue is full: retry later with backoff
     UNAVAILABLE = "unavailable"  # warming up, draining, a worker died: retry here or elsewhere
     DEADLINE = "deadline"  # the caller's deadline passed
@@ -43,6 +45,7 @@ class Rule(NamedTuple):
     grpc: grpc.StatusCode
     http: int
     retry: bool  # a batch job retries the item (and --resume runs it again) rather than record it
+    stops: bool = False  # a batch job stops at once, with the message (no row: a resume runs the line again)
 
 
 RULES: dict[Kind, Rule] = {
@@ -51,6 +54,7 @@ RULES: dict[Kind, Rule] = {
     Kind.UNSUPPORTED: Rule(grpc.StatusCode.UNIMPLEMENTED, 400, False),
     Kind.NOT_CONFIGURED: Rule(grpc.StatusCode.FAILED_PRECONDITION, 400, False),
     Kind.NOT_FOUND: Rule(grpc.StatusCode.NOT_FOUND, 404, False),
+    Kind.UNAUTHENTICATED: Rule(grpc.StatusCode.UNAUTHENTICATED, 401, False, stops=True),
     Kind.OVERLOADED: Rule(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     Kind.UNAVAILABLE: Rule(grpc.StatusCode.UNAVAILABLE, 503, True),
     Kind.DEADLINE: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
@@ -102,6 +106,12 @@ class NotFound(ServiceError):
     kind = Kind.NOT_FOUND
 
 
+class Unauthenticated(ServiceError):
+    """The request carries no valid bearer token (missing, malformed, sent twice, or wrong)."""
+
+    kind = Kind.UNAUTHENTICATED
+
+
 class Overloaded(ServiceError):
     """The admission queue is full; retry later with backoff."""
 
@@ -116,6 +126,12 @@ class Unavailable(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     kind = Kind.DEADLINE
+
+
+class ClientGone(ServiceError):
+    """The caller went away before the answer (an HTTP client closed its connection)."""
+
+    kind = Kind.CANCELLED
 
 
 class Failure(NamedTuple):

@@ -40,6 +40,10 @@ from prometheus_client.exposition import MetricsHandler
 # Seconds; covers header-only CountTokens (sub-ms) up to long Generate streams.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+# The HTTP `method` label's values: any other method a caller makes up counts as "other" (label
+# values come from fixed sets, or a scraper's series grow with whatever the internet sends).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+OTHER_METHOD = "other"
 METRICS_PATH = "/metrics"
 
 
@@ -123,6 +127,8 @@ class Metrics:
         self.grpc_seconds.labels(grpc_type, service, method).observe(seconds)
 
     def http_end(self, method: str, handler: str, status: int, seconds: float) -> None:
+        """`handler`: a route's path (or one fixed word for none), never a path a caller sent."""
+        method = method if method in HTTP_METHODS else OTHER_METHOD
         self.http_requests.labels(method, handler, str(status)).inc()
         self.http_seconds.labels(method, handler).observe(seconds)
 

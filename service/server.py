@@ -48,6 +48,7 @@ class ServerConfig:
     metrics_port: int | None = None  # /metrics (None: off; 0: any free port)
     max_concurrency: int = 4  # requests doing work at once, over both faces
     max_queue: int = 32  # requests waiting for a slot; more are refused (overloaded)
+    max_bodies_in_flight: int = 8  # HTTP request bodies being read at once (the rest wait in the queue)
     drain_grace_s: float = 30.0
     log_health_checks: bool = False  # an access-log line for every health check too (both faces)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
@@ -66,7 +67,8 @@ class VisionServer:
         self._loaded = engine
         self._owns_engine = engine is None
         self.metrics = metrics or (engine.metrics if engine is not None else Metrics())
-        self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics)
+        self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics,
+                                   bodies=config.max_bodies_in_flight)
         self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks)
         self.http: HttpServer | None = None
         self.port: int | None = None

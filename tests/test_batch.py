@@ -355,7 +355,8 @@ def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
 def test_mixed_requests_in_process_and_through_a_server(server, mixed, tmp_path):
     """Data URLs, paths, a remote URL, a bad and a too-large image, a malformed line, an unsupported
     parameter, another model, sampling: one row per line, in input order, the same on both engines."""
-    spec = JobSpec("caption", allow_remote_images=True)
+    # The remote images come from this test's own server on 127.0.0.1, allowed as tests allow it.
+    spec = JobSpec("caption", allow_remote_images=True, allowed_media_domains=("127.0.0.1",))
     local_out, local_errors = tmp_path / "local.jsonl", tmp_path / "local-errors.jsonl"
     summary = _run(spec, mixed, local_out, EngineBackend(server.engine), concurrency=4, errors=local_errors)
     ok = sum(status == 200 for _, status, _ in MIXED)
@@ -391,6 +392,12 @@ def test_mixed_requests_in_process_and_through_a_server(server, mixed, tmp_path)
     remote = next(r for r in validated_rows(tmp_path / "strict.jsonl") if r["custom_id"] == "remote")
     assert "remote image URLs are not fetched unless the server or job runs with --allow-remote-images" in \
         remote["error"]["message"]
+    # Without the allow list the batch job's fetches follow the server's rules: loopback is refused.
+    guarded = _run(JobSpec("caption", allow_remote_images=True), mixed, tmp_path / "guarded.jsonl",
+                   EngineBackend(server.engine), concurrency=4)
+    assert guarded.ok == ok - 1
+    refused = next(r for r in validated_rows(tmp_path / "guarded.jsonl") if r["custom_id"] == "remote")
+    assert refused["response"]["status_code"] == 400 and "is not a public address" in refused["error"]["message"]
     one = tmp_path / "one.jsonl"
     one.write_text(mixed.read_text().splitlines()[12] + "\n")
     _run(JobSpec("caption", ignore_model=True), one, tmp_path / "ignored.jsonl", EngineBackend(server.engine))

@@ -93,7 +93,7 @@ def test_ray_embed_rows_equal_local_rows(local_ray, folder, tiny_engine, tmp_pat
 def test_ray_mixed_requests_give_the_local_rows(local_ray, tiny_engine, tmp_path):
     """The mixed request file (remote images from a real HTTP server on 127.0.0.1, fetched by the
     actors) on Ray: one row per line, in input order, the local engine's rows."""
-    spec = JobSpec("caption", allow_remote_images=True)
+    spec = JobSpec("caption", allow_remote_images=True, allowed_media_domains=("127.0.0.1",))
     with image_server(tmp_path / "in") as remote:
         source = write_mixed_input(tmp_path / "in", remote)
         local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"

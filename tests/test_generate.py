@@ -73,7 +73,10 @@ def test_seeded_generation_reproducible(model):
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
     ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+    ({"temperature": 1e39}, "temperature must be <= 2, got 1e+39"),
+    ({"top_p": float("inf")}, "top_p must be a finite number, got inf"),
     ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
     ({"top_p": 5.0}, "top_p must be in (0, 1], got 5.0"),
     ({"top_k": -2}, "top_k must be >= 0, got -2"),
@@ -85,7 +88,20 @@ def test_bad_parameters_are_named(kwargs, message):
     assert str(caught.value) == message and caught.value.kind == "bad_input"
     assert isinstance(caught.value, ValueError)
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0)  # the edges are in range
-    SamplingParams(temperature=1e6, top_p=1e-9, top_k=2**31 - 1)
+    SamplingParams(temperature=2.0, top_p=5e-324, top_k=2**31 - 1)
+
+
+def test_below_the_greedy_threshold_is_greedy_and_no_value_gives_nan():
+    """As in vLLM, a temperature under 1e-5 is greedy (dividing float32 logits by 1e-40 gives inf,
+    then NaN probabilities); a top_p that float32 rounds to 0 still keeps the likeliest token."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.0 == SamplingParams(temperature=9.9e-6).temperature
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.9], [float("-inf"), 5.0, 1.0, 0.0, 4.9]])
+    for params in (SamplingParams(temperature=1e-40, seed=1), SamplingParams(temperature=1e-5, seed=1),
+                   SamplingParams(temperature=1.0, top_p=5e-324), SamplingParams(temperature=2.0, top_p=1e-45)):
+        assert sample(logits, params, torch.Generator().manual_seed(0)).tolist() == [3, 1], params
+    uniform = sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(0))
+    assert uniform.tolist()[1] != 0  # the masked id is never drawn
 
 
 def test_bad_prompts_are_named(model):

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
-import threading
+import ipaddress
+import re
 import time
 
 import pytest
+from image_upstream import ImageUpstream
 
 from service.engine import ChatInput, GenerationResult
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
-from service.openai.images import ImageFetcher
+from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
 from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
@@ -100,65 +101,126 @@ def test_malformed_messages_name_the_field():
             parse_chat_request({"messages": messages})
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        routes = {
-            "/image.png": lambda: self._send(200, PNG),
-            "/big.png": lambda: self._send(200, PNG * 100),
-            "/missing.png": lambda: self._send(404, b"no"),
-            "/broken.png": lambda: self._send(503, b"later"),
-            "/slow.png": lambda: (time.sleep(2), self._send(200, PNG)),
-            "/loop": lambda: self._redirect("/loop"),
-            "/hop": lambda: self._redirect("/image.png"),
-        }
-        routes[self.path]()
-
-    def _send(self, status: int, body: bytes) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        except BrokenPipeError:  # the client gave up (the timeout and size cases)
-            pass
-
-    def _redirect(self, where: str) -> None:
-        self.send_response(302)
-        self.send_header("Location", where)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):  # quiet
-        pass
-
-
 @pytest.fixture(scope="module")
 def web():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with ImageUpstream(PNG) as upstream:
+        yield upstream
 
 
 def _fetch(fetcher: ImageFetcher, url: str) -> bytes:
     return asyncio.run(fetcher.fetch(ImagePart(url, "messages[0].content[0]")))
 
 
+def _fetch_all(fetcher: ImageFetcher, *urls: str) -> list[bytes]:
+    return asyncio.run(fetcher.fetch_all([ImagePart(url, f"messages[0].content[{i}]") for i, url in enumerate(urls)]))
+
+
+LOOPBACK = ("127.0.0.1",)  # how tests allow their own upstream (--allowed-media-domains 127.0.0.1)
+
+
 def test_remote_images_only_when_allowed_with_limits(web):
-    assert classify(_raises(ImageFetcher(max_bytes=1 << 20), f"{web}/image.png")).message.endswith(
+    assert classify(_raises(ImageFetcher(max_bytes=1 << 20), web.url("/image.png"))).message.endswith(
         "send the image as a data: URL")
-    fetcher = ImageFetcher(max_bytes=len(PNG) * 10, allow_remote=True, timeout_s=0.5, max_redirects=2)
-    assert _fetch(fetcher, f"{web}/image.png") == PNG
-    assert _fetch(fetcher, f"{web}/hop") == PNG  # one redirect is fine
-    cases = [("/big.png", TooLarge, "over the per-image limit"), ("/missing.png", BadRequest, "HTTP 404"),
-             ("/broken.png", Unavailable, "HTTP 503"), ("/slow.png", Unavailable, "no answer within 0.5 s"),
+    fetcher = ImageFetcher(max_bytes=len(PNG) * 10, allow_remote=True, timeout_s=1.0, max_redirects=2,
+                           allowed_domains=LOOPBACK)
+    assert _fetch(fetcher, web.url("/image.png")) == PNG
+    assert _fetch(fetcher, web.url("/hop")) == PNG  # one redirect is fine
+    cases = [("/big.png", TooLarge, "over the per-image limit"), ("/status/404", BadRequest, "HTTP 404"),
+             ("/status/403", BadRequest, "HTTP 403"), ("/status/503", Unavailable, "HTTP 503"),
+             ("/status/429", Unavailable, "HTTP 429"), ("/drip/3", Unavailable, "not fetched within 1 s"),
              ("/loop", BadRequest, "more than 2 redirects")]
     for path, error, words in cases:
-        exc = _raises(fetcher, f"{web}{path}")
+        exc = _raises(fetcher, web.url(path))
         assert isinstance(exc, error) and words in str(exc), (path, exc)
         assert str(exc).startswith("messages[0].content[0]: ")
-    refused = _raises(fetcher, "http://127.0.0.1:1/x.png")  # nothing listens there: the network's problem
+    refused = _raises(fetcher, "http://127.0.0.1:1/x.png")  # an allowed host, nothing listening: the network's
     assert isinstance(refused, Unavailable) and classify(refused).rule.retry
+
+
+def test_a_redirect_hop_is_checked_like_the_first_url(web):
+    """Out of http(s), or to a host the rules do not fetch: bad input, not a retryable failure."""
+    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=LOOPBACK)
+    before = web.hits["/image.png"]
+    for target, words in (("file:///etc/passwd", "redirected to a file: URL"), ("ftp://host/x.png", "a ftp: URL"),
+                          (web.url("/image.png", host="localhost"), "allowed domains ['127.0.0.1']; this one is "
+                                                                      "from 'localhost'")):
+        exc = _raises(fetcher, web.url("/to", target))
+        assert isinstance(exc, BadRequest) and words in str(exc) and not classify(exc).rule.retry, exc
+    assert web.hits["/image.png"] == before  # nothing was fetched from the host that is not listed
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.255.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1",
+                                     "169.254.169.254", "100.64.0.1", "0.0.0.0", "224.0.0.1", "239.1.1.1",
+                                     "240.0.0.1", "255.255.255.255", "192.0.2.1", "::1", "::", "fe80::1", "fc00::1",
+                                     "fd12::1", "ff02::1", "fec0::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1",
+                                     "::ffff:169.254.169.254", "2002:7f00:1::", "64:ff9b::a00:1", "2001:db8::1"])
+def test_the_guard_refuses_every_address_that_is_not_public(address):
+    assert refused_address(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "151.101.1.69", "2606:4700:4700::1111",
+                                     "2a00:1450:4001:80b::200e", "::ffff:8.8.8.8"])
+def test_the_guard_lets_public_addresses_through(address):
+    assert not refused_address(ipaddress.ip_address(address))
+
+
+def test_hosts_are_resolved_and_refused_before_any_connection(web):
+    """Without an allow list only public hosts are fetched: an IP literal, a name (resolved here),
+    an IPv4-mapped IPv6 literal of loopback, all refused with the same words, and nothing reaches
+    the upstream, so a caller learns nothing of what listens there."""
+    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True)
+    before = sum(web.hits.values())
+    for host in ("127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "2130706433"):
+        exc = _raises(fetcher, web.url("/image.png", host=host))
+        assert isinstance(exc, BadRequest) and "is not a public address" in str(exc), (host, exc)
+    closed = _raises(fetcher, "http://127.0.0.1:1/x.png")  # nothing listens: the same answer
+    assert isinstance(closed, BadRequest) and "is not a public address" in str(closed)
+    assert sum(web.hits.values()) == before
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(web):
+    """The name is resolved once, in the step that connects, to the address the guard judged (no
+    second lookup a rebinding DNS could answer differently); the request still names the host."""
+    async def connect() -> tuple[str, set[str]]:
+        resolved = {info[4][0] for info in await asyncio.get_running_loop().getaddrinfo("localhost", web.port)}
+        stream = await _CheckedBackend(frozenset({"localhost"})).connect_tcp("localhost", web.port)
+        try:
+            return stream.get_extra_info("server_addr")[0], resolved
+        finally:
+            await stream.aclose()
+
+    peer, resolved = asyncio.run(connect())
+    assert peer in resolved
+    trusting = ImageFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=("localhost",))
+    assert _fetch(trusting, web.url("/image.png", host="localhost")) == PNG
+    assert web.hosts[-1] == f"localhost:{web.port}"
+
+
+def test_a_requests_images_are_fetched_at_once_within_one_deadline(web):
+    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK)
+    start = time.monotonic()
+    assert _fetch_all(fetcher, *[web.url("/drip/1")] * 4, DATA_URL) == [PNG] * 5
+    assert time.monotonic() - start < 2.5  # four 1-s transfers side by side, not one after another
+    start = time.monotonic()
+    exc = _raises_all(fetcher, web.url("/drip/4"), web.url("/status/404"))
+    assert isinstance(exc, BadRequest) and "messages[0].content[1]" in str(exc) and "HTTP 404" in str(exc)
+    assert time.monotonic() - start < 2  # the first failure ends the request: the slow one is stopped
+    bounded = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK,
+                           concurrency=2)
+    start = time.monotonic()
+    assert _fetch_all(bounded, *[web.url("/drip/1")] * 4) == [PNG] * 4
+    assert time.monotonic() - start >= 1.9  # at most two at once
+    late = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=1.5, allowed_domains=LOOPBACK)
+    start = time.monotonic()
+    exc = _raises_all(late, web.url("/drip/1"), web.url("/drip/4"))  # every read is quick; the transfer is not
+    assert isinstance(exc, Unavailable) and "within 1.5 s" in str(exc)
+    assert 1.4 < time.monotonic() - start < 3
+
+
+def _raises_all(fetcher: ImageFetcher, *urls: str) -> Exception:
+    with pytest.raises(Exception) as info:
+        _fetch_all(fetcher, *urls)
+    return info.value
 
 
 def _raises(fetcher: ImageFetcher, url: str) -> Exception:
@@ -201,3 +263,94 @@ def test_a_reply_as_a_completion_a_stream_and_an_error():
     error = error_body(classify(TooLarge("too big")))
     assert error == {"error": {"message": "too big", "type": "invalid_request_error", "param": None, "code": 413}}
     assert classify(Unavailable("x")).kind == Kind.UNAVAILABLE
+
+
+# The `openai` SDK's request types are the oracle for OpenAI's shapes.
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+          {"type": "custom", "custom": {"name": "grammar_tool", "format": {"type": "text"}}}]
+_SHAPES = {
+    "tools": [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": None}},
+        {"type": "function", "function": {"name": "f", "strict": True}},
+        {"type": "function", "function": {"name": "f", "parameters": "{}"}},
+        {"type": "function", "function": {"name": "f", "strict": "yes"}},
+        {"type": "function", "function": {"name": "f", "argumnets": {}}},
+        {"type": "function", "function": {"description": "no name"}},
+        {"type": "function", "function": {"name": 7}},
+        {"type": "function"},
+        {"type": "function", "function": {"name": "f"}, "extra": 1},
+        {"type": "custom", "custom": {"name": "c"}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "grammar", "grammar": {
+            "definition": "start: x", "syntax": "lark"}}}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "grammar", "grammar": {
+            "definition": "x", "syntax": "ebnf"}}}},
+        {"type": "custom", "custom": {"name": "c", "format": {"type": "yaml"}}},
+        {"type": "retrieval"}, "get_weather", None, [],
+    ],
+    "tool_choice": [
+        "none", "auto", "required", "sometimes", 1, None,
+        {"type": "function", "function": {"name": "get_weather"}},
+        {"type": "function", "function": {}},
+        {"type": "function", "name": "get_weather"},
+        {"type": "custom", "custom": {"name": "grammar_tool"}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {
+            "name": "get_weather"}}]}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "required"}},
+    ],
+    "response_format": [
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "answer"}},
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True,
+                                                "description": "d"}},
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": []}}, {"type": "xml"}, "json_object",
+        {"type": "text", "strict": True}, None,
+    ],
+}
+
+
+def _sdk_accepts(key: str, value) -> bool:
+    from openai.types.chat import ChatCompletionToolChoiceOptionParam, ChatCompletionToolUnionParam
+    from openai.types.chat.completion_create_params import ResponseFormat
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    shape = {"tools": ChatCompletionToolUnionParam, "tool_choice": ChatCompletionToolChoiceOptionParam,
+             "response_format": ResponseFormat}[key]
+    try:
+        TypeAdapter(shape, config=ConfigDict(extra="forbid", strict=True)).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("key", "value"), [(key, value) for key, values in _SHAPES.items() for value in values])
+def test_tools_tool_choice_and_response_format_have_openais_shapes(key, value):
+    """Accepted exactly when the SDK's request type accepts it (an absent value: null); a refusal
+    names the field (400)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": _TOOLS}
+    body[key] = [value] if key == "tools" and value is not None else value
+    expected = value is None or _sdk_accepts(key, value)
+    try:
+        parse_chat_request(body)
+    except BadRequest as exc:
+        assert not expected, exc
+        assert str(exc).startswith(key), exc
+        assert classify(exc).rule.http == 400
+    else:
+        assert expected, f"{key}={value!r} was accepted"
+
+
+def test_the_rules_openai_states_beyond_the_shapes():
+    message = [{"role": "user", "content": "hi"}]
+    for extra, words in (({"tool_choice": "auto"}, "tool_choice 'auto' needs tools"),
+                         ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}},
+                          "tool_choice.function.name 'other' is not one of the function tools given: ['get_weather']"),
+                         ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+                          "tools[0].function.name must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'"),
+                         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "1 to 64"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a.b"}}},
+                          "response_format.json_schema.name must be 1 to 64")):
+        with pytest.raises(BadRequest, match=re.escape(words)):
+            parse_chat_request({"messages": message, **extra})
+    assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat_kwargs == {"tool_choice": "none"}

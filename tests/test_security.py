@@ -22,6 +22,7 @@ from PIL import Image
 from serve_process import REPO_ROOT, ServeProcess, serve_command
 
 from service.auth import ENV_VAR, AuthConfigError, resolve_token
+from service.errors import KIND_METADATA
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from service.rpc.auth import auth_metadata, bearer_credentials
@@ -102,11 +103,13 @@ def test_every_rpc_needs_the_token(no_token_stub) -> None:
     png = secret_png(b"auth")
     wrong = auth_metadata(secrets.token_urlsafe(24))
     for name, call in _calls(stub, png).items():
-        for metadata, why in ((None, "missing"), (wrong, "invalid"), ((("authorization", TOKEN),), "missing")):
+        for metadata, why in ((None, "missing"), (wrong, "invalid"), ((("authorization", TOKEN),), "malformed"),
+                              (auth_metadata(TOKEN) * 2, "the authorization header was sent 2 times")):
             with pytest.raises(grpc.RpcError) as info:
                 call(metadata)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
             assert why in info.value.details(), (name, info.value.details())
+            assert (KIND_METADATA, "unauthenticated") in info.value.trailing_metadata(), name  # the taxonomy's kind
         call(auth_metadata(TOKEN))  # the right token: answered
 
 

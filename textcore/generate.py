@@ -7,6 +7,7 @@ ids or embeddings (the service splices image embeddings into `embed_tokens(ids)`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,26 +23,42 @@ class SamplingError(ValueError):
     kind = "bad_input"  # in the service's error taxonomy (service.errors.Kind)
 
 
+# Below this a temperature is greedy, as in vLLM (its _SAMPLING_EPS): dividing the logits by it
+# would overflow float32 and give NaN probabilities.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 2.0  # OpenAI's range (and vLLM's): above it float32 logits / T lose all contrast, then overflow
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample; the one place the ranges are checked (every face reports its `SamplingError`)."""
+    """How to sample; the one place the ranges are checked (every face reports its `SamplingError`).
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
+    `max_new_tokens` None: as many as the model length leaves after the prompt (the caller, who
+    knows the prompt, resolves it before generating)."""
+
+    max_new_tokens: int | None = 256
+    temperature: float = 0.0  # 0 = greedy (so is anything below GREEDY_BELOW)
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = (END_OF_MSG,)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
 
 @dataclass
@@ -63,6 +80,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[..., 0] = False  # also when top_p rounds to 0 in float32 (5e-324)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
@@ -98,6 +116,8 @@ def generate(
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if params.max_new_tokens is None:
+        raise ValueError("params.max_new_tokens is None: resolve it from the prompt's length first")
     prompts = list(input_ids if input_ids is not None else inputs_embeds)
     if not prompts:
         raise ValueError("no prompts")

@@ -23,10 +23,22 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
+from service.auth import ENV_VAR
 from service.engine import ChatInput, Engine, EngineConfig, GenerationResult, ImageInput
-from service.errors import KIND_METADATA, BadRequest, RemoteError, ServiceError, TooLarge, Unavailable, Unsupported
+from service.errors import (
+    KIND_METADATA,
+    BadRequest,
+    Kind,
+    RemoteError,
+    ServiceError,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+    Unsupported,
+)
 from service.openai.response import Reply
 from service.rpc._proto import vision_pb2 as pb
+from service.rpc.auth import bearer_credentials
 from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, generate_request
 from textcore import parser as p
 from vision import DEFAULT_LIMITS, Limits
@@ -125,10 +137,12 @@ class ServerBackend:
         self.description = f"server {target}"
 
     @classmethod
-    async def connect(cls, target: str, *, timeout_s: float = 600.0) -> ServerBackend:
-        """Connect, check health, and learn the model and its limits (`GetModelInfo`)."""
+    async def connect(cls, target: str, *, timeout_s: float = 600.0, token: str | None = None) -> ServerBackend:
+        """Connect, check health, and learn the model and its limits (`GetModelInfo`). `token`:
+        sent on every call (over gRPC's local credentials: the server must be on this machine)."""
         # No send limit on the channel: the server's own (`max_message_bytes`) is checked before each send.
-        client = AsyncVisionClient(target, timeout=timeout_s, max_send_bytes=-1)
+        credentials = bearer_credentials(token) if token else None
+        client = AsyncVisionClient(target, timeout=timeout_s, max_send_bytes=-1, credentials=credentials)
         try:
             with _remote_errors():
                 status = await client.health(timeout=10)
@@ -137,6 +151,9 @@ class ServerBackend:
                 info = await client.model_info(timeout=60)
         except ServiceError as exc:
             await client.close()
+            if exc.kind == Kind.UNAUTHENTICATED:
+                raise Unauthenticated(f"server {target} refused the job: {exc} (the token comes from --auth-token or "
+                                      f"${ENV_VAR})") from None
             raise Unavailable(f"cannot use server {target}: {exc}") from None
         except BaseException:
             await client.close()

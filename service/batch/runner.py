@@ -4,14 +4,16 @@ when every line has its row, puts the output in input order (`journal.finish`).
 
 Every line takes one path: its request is checked (`requests.py`; a malformed line, an unsupported
 parameter or another model is that line's error row), its images are fetched (`ImageFetcher`:
-data: URLs, local files, http(s) with --allow-remote-images; each under the backend's per-image byte
-limit, so an image the model would refuse is never read whole), then the backend generates or embeds.
+data: URLs, local files, http(s) with --allow-remote-images by the server's rules, a line's concurrently;
+each under the backend's per-image byte limit, so an image the model would refuse is never read
+whole), then the backend generates or embeds.
 Failures are classified by the service's one taxonomy (`service.errors`): a kind that is not
 retried (bad image, bad request, too large) is recorded as an error row and the job goes on; a
 retried one (overloaded, unavailable, internal) is retried a few times with backoff, then recorded
 (the next `--resume` runs it again). Too many transient failures in a row (a dead server) stop the
-job. A bug (an exception with no kind) also stops it: writing two million error rows for one bug
-helps nobody. Ctrl-C (or `stop()`) stops taking lines, cancels those in flight (they have no row,
+job, and so does a refused token (the unauthenticated kind: every line would be refused alike). A
+bug (an exception with no kind) also stops it: writing two million error rows for one bug helps
+nobody. Ctrl-C (or `stop()`) stops taking lines, cancels those in flight (they have no row,
 so a resume runs them), writes what is buffered and fsyncs.
 """
 
@@ -169,6 +171,10 @@ class Recorder:
             self.progress.close()
 
 
+class JobStopped(Exception):
+    """A failure that stops the whole job (no row: a resume runs the line again)."""
+
+
 class ItemRunner:
     """One input line -> its row (and embedding rows): check the request, fetch its images, ask
     the backend, classify failures. The local runner and the Ray engine's actors both use it, so
@@ -181,7 +187,8 @@ class ItemRunner:
         self.options = options
         self.stopping = stopping
         self.fetcher = ImageFetcher(backend.limits.max_bytes, allow_remote=spec.allow_remote_images,
-                                    base_dir=base_dir)
+                                    base_dir=base_dir, allowed_domains=spec.allowed_media_domains,
+                                    timeout_s=spec.media_fetch_timeout_s, concurrency=spec.max_media_fetches)
 
     async def process(self, item: Item) -> tuple[dict[str, Any], np.ndarray | None]:
         """Raises only for a bug (an exception with no kind in the taxonomy)."""
@@ -194,6 +201,8 @@ class ItemRunner:
                 failure = classify(exc)
                 if failure is None:
                     raise
+                if failure.rule.stops:
+                    raise JobStopped(failure.message) from None
                 if not failure.rule.retry or attempt == opts.retries or self.stopping():
                     if item.numbered:
                         failure = Failure(failure.kind, f"line {item.line}: {failure.message}")
@@ -221,7 +230,7 @@ class ItemRunner:
             return ok_row(item.custom_id, item.line, body, _timings(start, read)), embedding.rows
         request = chat_request(item, self.spec.task)
         self._check_model(request.model)
-        images = [await self.fetcher.fetch(part) for part in request.images]
+        images = await self.fetcher.fetch_all(request.images)
         read = time.monotonic()
         chat = dataclasses.replace(request, chat_kwargs=chat_kwargs(request)).chat_input(images)
         max_new = request.max_tokens or self.spec.effective_max_new_tokens
@@ -282,6 +291,9 @@ class Job:
                     recorder.record(row, embedding)
             except InputError as exc:  # the input changed under the job (it was read through at the start)
                 summary.aborted = summary.aborted or str(exc)
+                self.stop()
+            except JobStopped as exc:
+                summary.aborted = summary.aborted or f"{exc}; fix it, then rerun with --resume"
                 self.stop()
             except Exception as exc:  # a bug: stop the whole job, not just this worker
                 if self.bug is None:

@@ -24,6 +24,10 @@ class JobSpec:
     max_new_tokens: int | None = None  # for requests without max_tokens: None -> the task's default
     ignore_model: bool = False  # run requests whose `model` names another model
     allow_remote_images: bool = False  # fetch http(s) image URLs
+    allowed_media_domains: tuple[str, ...] | None = None  # only from these hosts (None: any public one)
+    # How remote images are fetched (not in the fingerprint: they change when a fetch fails, not what it gives).
+    media_fetch_timeout_s: float = 10.0
+    max_media_fetches: int = 16
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -49,6 +53,8 @@ class JobSpec:
         fp: dict[str, Any] = {"format": FORMAT, "task": self.task, "model": model_identity,
                               "ignore_model": self.ignore_model, "allow_remote_images": self.allow_remote_images,
                               "errors": errors}
+        if self.allowed_media_domains:  # only when set: jobs from before the option resume as they were
+            fp["allowed_media_domains"] = sorted(self.allowed_media_domains)
         if self.task == "embed":
             fp["embedding_dtype"] = EMBED_DTYPE
         else:

@@ -22,7 +22,14 @@ import os
 import sys
 from pathlib import Path
 
-from service.cli.common import add_image_limit_arguments, add_model_arguments, checkpoint_dir, image_limits
+from service.cli.common import (
+    add_image_limit_arguments,
+    add_model_arguments,
+    add_remote_image_arguments,
+    checkpoint_dir,
+    image_limits,
+    remote_image_problem,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--errors", metavar="FILE.jsonl",
                         help="write failed lines here instead of OUT.jsonl (as OpenAI's Batch API splits them)")
     parser.add_argument("--server", metavar="HOST:PORT", help="use a running kimi-vision server")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="with --server: the bearer token the server requires (default: $KIMI_VISION_AUTH_TOKEN, "
+                             "as serve; prefer the variable, flags show in the process list). Sent over gRPC's local "
+                             "credentials, so the server must be on this machine; a refused token stops the job")
     add_model_arguments(parser)
     add_image_limit_arguments(parser, note="; not with --server, whose own limits apply (GetModelInfo reports them)")
     parser.add_argument("--concurrency", type=int, metavar="N",
@@ -50,8 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt is its messages)")
     parser.add_argument("--ignore-model", action="store_true",
                         help="run lines whose body.model names another model (default: an error row)")
-    parser.add_argument("--allow-remote-images", action="store_true",
-                        help="fetch http(s) image URLs (10 s timeout, the per-image byte limit, 3 redirects)")
+    add_remote_image_arguments(parser, who="input lines")
     parser.add_argument("--resume", action="store_true",
                         help="continue OUT.jsonl: skip finished inputs, retry transient failures")
     parser.add_argument("--engine", choices=("local", "ray"), default="local", help="local (default) or ray")
@@ -66,6 +76,10 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--concurrency must be >= 1, got {args.concurrency}"
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if (problem := remote_image_problem(args)) is not None:
+        return problem
+    if args.auth_token is not None and not args.server:
+        return "--auth-token applies to --server (an in-process job needs no token)"
     if args.server and args.engine == "ray":
         return "--server and --engine ray exclude each other (Ray runs the model in its own actors)"
     if args.server and (args.checkpoint or args.devices != "auto"):
@@ -104,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     from service.batch.spec import JobSpec
 
     spec = JobSpec(args.task, args.prompt, args.max_new_tokens, ignore_model=args.ignore_model,
-                   allow_remote_images=args.allow_remote_images)
+                   allow_remote_images=args.allow_remote_images,
+                   allowed_media_domains=tuple(args.allowed_media_domains or ()) or None,
+                   media_fetch_timeout_s=args.media_fetch_timeout, max_media_fetches=args.max_media_fetches)
     try:
         items = load_items(args.input, spec)
     except InputError as e:
@@ -150,8 +166,8 @@ async def _run_local(args: argparse.Namespace, spec, items, output, errors, opti
 
     if args.server:
         try:
-            backend = await ServerBackend.connect(args.server)
-        except ServiceError as e:
+            backend = await ServerBackend.connect(args.server, token=_server_token(args))
+        except (ServiceError, ValueError) as e:  # ValueError: AuthConfigError
             raise _CannotRun(str(e)) from None
         options.concurrency = args.concurrency or 8
     else:
@@ -175,9 +191,30 @@ async def _run_local(args: argparse.Namespace, spec, items, output, errors, opti
         summary = await job.run()
     finally:
         await backend.close()
-    if job.bug is not None:
-        _err(summary.aborted or "internal error")
+    if summary.aborted:
+        _err(summary.aborted)
     return summary
+
+
+def _server_token(args: argparse.Namespace) -> str | None:
+    """The token for --server (the flag, else the variable serve reads), or None; a token goes
+    only to a server on this machine (batch has no TLS: it is never sent in plaintext over a network)."""
+    import ipaddress
+
+    from service.auth import resolve_token
+
+    token = resolve_token(args.auth_token)
+    if token is None:
+        return None
+    host = args.server.rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"a token is only sent to a server on this machine (127.0.0.1, ::1, localhost), not to "
+                         f"{host!r}: the job has no TLS, and the token would cross the network in plaintext")
+    return token
 
 
 def _random_weights_note(args: argparse.Namespace, summary) -> str | None:

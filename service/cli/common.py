@@ -1,6 +1,6 @@
 """What several commands share: the model flags, the per-image limit flags (`vision.Limits`, for every
-command that reads images), and resolving the checkpoint (the only place the embedded default is
-chosen)."""
+command that reads images), the remote-image flags (`serve` and `batch` fetch by the same rules),
+and resolving the checkpoint (the only place the embedded default is chosen)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's --mm-hasher-algorithm (default blake3, as vLLM's)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -48,9 +48,9 @@ def add_image_limit_arguments(parser: argparse.ArgumentParser, *, bounded_by: st
     from vision import DEFAULT_LIMITS
 
     default_mb = f"{DEFAULT_LIMITS.max_bytes >> 20}" + (f", or {bounded_by} if smaller" if bounded_by else "")
-    parser.add_argument("--max-image-mb", type=_positive_int, metavar="MB",
+    parser.add_argument("--max-image-mb", type=positive_int, metavar="MB",
                         help=f"largest encoded image, in MiB (default {default_mb}){note}")
-    parser.add_argument("--max-image-megapixels", type=_positive_int, metavar="MP",
+    parser.add_argument("--max-image-megapixels", type=positive_int, metavar="MP",
                         help="largest decoded image, width * height in millions of pixels (default "
                              f"{DEFAULT_LIMITS.max_pixels // _MEGAPIXEL}){note}")
 
@@ -68,6 +68,40 @@ def image_limits(args: argparse.Namespace, *, max_mb: int | None = None) -> Limi
         max_bytes = default.max_bytes if max_mb is None else min(default.max_bytes, max_mb << 20)
     mp = args.max_image_megapixels
     return replace(default, max_bytes=max_bytes, max_pixels=default.max_pixels if mp is None else mp * _MEGAPIXEL)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def add_remote_image_arguments(parser: argparse.ArgumentParser, *, who: str) -> None:
+    """`--allow-remote-images` and the rules its fetches follow (`service.openai.images`); `who`
+    names what may name the URLs ("HTTP requests", "input lines"). The defaults are those of
+    `service.openai.images` (written out, not imported: a command's --help stays light)."""
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help=f"let {who} name http(s) image URLs, which are then fetched: only public addresses "
+                             "(loopback, private, link-local, multicast and reserved ones are refused, on every "
+                             "redirect hop; at most 3), under the per-image byte limit")
+    parser.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                        help="with --allow-remote-images: fetch only from these hosts (exact names, as vLLM's "
+                             "flag), wherever they resolve (default: any public host)")
+    parser.add_argument("--media-fetch-timeout", type=positive_float, default=10.0, metavar="S",
+                        help="seconds for the whole transfer of a request's remote images, fetched concurrently "
+                             "(default 10)")
+    parser.add_argument("--max-media-fetches", type=positive_int, default=16, metavar="N",
+                        help="remote image fetches at once, over all requests (default 16)")
+
+
+def remote_image_problem(args: argparse.Namespace) -> str | None:
+    if args.allowed_media_domains and not args.allow_remote_images:
+        return "--allowed-media-domains needs --allow-remote-images (without it no URL is fetched at all)"
+    return None
 
 
 def checkpoint_dir(given: str | None) -> Path:

@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING
 from service.cli.common import (
     add_image_limit_arguments,
     add_model_arguments,
+    add_remote_image_arguments,
     add_vllm_arguments,
     checkpoint_dir,
     image_limits,
+    positive_float,
+    positive_int,
+    remote_image_problem,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request message, all its images together (default 64)")
     add_image_limit_arguments(parser, bounded_by="--max-message-mb")
     parser.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (default 16)")
+    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
+                        help="prompt tokens (images counted from their headers) plus max_tokens, per request, as "
+                             "vLLM's flag; over it a request is refused before any pixel is decoded; max_tokens "
+                             "absent means what the prompt leaves (default: the checkpoint's "
+                             "max_position_embeddings)")
     parser.add_argument("--cache-mb", type=int, default=1024, metavar="MB",
                         help="embedding cache budget (default 1024; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
@@ -57,9 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
                              "/v1/models) and SGLang's encoder protocol (/encode) on this port (0 = any free port)")
-    parser.add_argument("--allow-remote-images", action="store_true",
-                        help="let HTTP requests name http(s) image URLs, which the server then fetches "
-                             "(10 s timeout, the per-image byte limit, 3 redirects)")
+    add_remote_image_arguments(parser, who="HTTP requests")
+    parser.add_argument("--max-bodies-in-flight", type=positive_int, default=8, metavar="N",
+                        help="HTTP request bodies being read at once (each request takes its --max-queue place "
+                             "first; the others wait there) (default 8)")
+    parser.add_argument("--http-header-timeout", type=positive_float, default=10.0, metavar="S",
+                        help="seconds an HTTP connection has for its request line and headers, else 408 and "
+                             "closed (default 10)")
+    parser.add_argument("--http-body-timeout", type=positive_float, default=60.0, metavar="S",
+                        help="seconds an HTTP request body has to arrive once its reading starts, else 408 and "
+                             "closed (default 60)")
+    parser.add_argument("--max-header-kb", type=positive_int, default=16, metavar="KB",
+                        help="an HTTP request line and headers together, in KiB; larger is 431 (default 16)")
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="a name requests may give as `model` (repeatable; default: the vLLM model id)")
     add_vllm_arguments(parser)
@@ -93,6 +111,10 @@ def _problem(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 65535:
             return f"--{name.replace('_', '-')} must be in 0..65535, got {value}"
+    if (problem := remote_image_problem(args)) is not None:
+        return problem
+    if args.max_model_len is not None and args.max_model_len < 2:
+        return f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}"
     if args.ec_role == "producer" and not args.ec_export_dir:
         return "--ec-role producer needs --ec-export-dir (where the encoder-cache files go)"
     if args.ec_role == "producer" and args.http_port is None:
@@ -176,11 +198,16 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
         config = ServerConfig(
             host=args.host, port=args.port, http_port=args.http_port, health_port=args.health_port,
             metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-            drain_grace_s=args.drain_seconds, log_health_checks=args.log_health_checks,
+            max_bodies_in_flight=args.max_bodies_in_flight, drain_grace_s=args.drain_seconds,
+            log_health_checks=args.log_health_checks,
             grpc=GrpcConfig(max_receive_bytes=args.max_message_mb << 20, credentials=credentials,
                             interceptors=interceptors),
-            http=HttpConfig(max_body_bytes=args.max_message_mb << 20, token=token,
-                            allow_remote_images=args.allow_remote_images, ec_producer=args.ec_role == "producer",
+            http=HttpConfig(max_body_bytes=args.max_message_mb << 20, max_header_bytes=args.max_header_kb << 10,
+                            header_timeout_s=args.http_header_timeout, body_timeout_s=args.http_body_timeout,
+                            token=token, allow_remote_images=args.allow_remote_images,
+                            allowed_media_domains=tuple(args.allowed_media_domains or ()) or None,
+                            media_fetch_timeout_s=args.media_fetch_timeout, max_media_fetches=args.max_media_fetches,
+                            ec_producer=args.ec_role == "producer",
                             tls_files=(args.tls_cert, args.tls_key) if credentials else None),
         )
         engine_config = EngineConfig(
@@ -189,6 +216,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             limits=image_limits(args, max_mb=args.max_message_mb), max_images=args.max_images,
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
+            max_model_len=args.max_model_len,
         )
         return asyncio.run(serve(config, engine_config, on_ready=announce))
     except OSError as exc:

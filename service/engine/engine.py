@@ -172,18 +172,20 @@ class EngineConfig:
     # Free memory each malloc arena keeps for the next image (service.engine.allocator), in this
     # process and in each encoder worker; 0 leaves their allocators as they are.
     keep_freed_bytes: int = KEEP_FREED_BYTES
-    default_max_new_tokens: int = 512
-    max_new_tokens_limit: int = 8192
+    # Prompt plus generated tokens of one request, as vLLM's --max-model-len (None: the trunk's
+    # max_position_embeddings, the checkpoint's context length).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.components not in COMPONENTS:
             raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {self.hash_algorithm!r}")
-        for name in ("max_images", "max_request_pixels", "cpu_threads", "default_max_new_tokens",
-                     "max_new_tokens_limit"):
+        for name in ("max_images", "max_request_pixels", "cpu_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a new one), got {self.max_model_len}")
 
 
 def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
@@ -246,9 +248,15 @@ class Engine:
         self.pool = pool
         self.model = model
         self._allowed_ids = None
+        self.max_model_len = config.max_model_len  # None without the trunk: nothing is generated
         if model is not None:
             decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
             self._allowed_ids = None if bool(decodable.all()) else decodable
+            context = model.cfg.max_position_embeddings
+            if self.max_model_len is not None and self.max_model_len > context:
+                raise ValueError(f"max_model_len {self.max_model_len} is larger than the model's context length "
+                                 f"{context} (max_position_embeddings in the checkpoint's config)")
+            self.max_model_len = self.max_model_len or context
         self.cache: EmbedCache[ImageEmbedding] = EmbedCache(config.cache_bytes)
         self.metrics = metrics or Metrics()
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
@@ -347,18 +355,21 @@ class Engine:
         self.metrics.tokens.labels(kind="image").inc(pre.num_tokens)
         return pre
 
-    async def embed(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
+    async def embed(self, images: Sequence[ImageInput], *,
+                    prepared: Sequence[tuple[ImagePlan, str]] | None = None) -> list[ImageEmbedding]:
         """Embeddings of `images`, in order: the one function that turns image bytes into rows.
 
-        Every image's header is read first (limits, the request's caps). Cache hits are served as
+        Every image's header is read first (limits, the request's caps), unless the caller has
+        (`prepared`: `_prepare`'s plans and keys, so a header is read once per process). Cache hits are served as
         they are; each distinct missing image is queued on the pool as soon as it is hashed, so the
         images spread over the workers. If the call is cancelled (an RPC's deadline or cancellation)
         or one image fails, the images still waiting in the pool are withdrawn (not encoded); one a
         worker has already started runs to the end."""
         if not images:
             return []
-        with tracing.span("preprocess", images=len(images)):
-            prepared = await self.run_cpu(self._prepare, images)
+        if prepared is None:
+            with tracing.span("preprocess", images=len(images)):
+                prepared = await self.run_cpu(self._prepare, images)
         found: dict[str, ImageEmbedding] = {}
         missing: dict[str, tuple[ImageInput, ImagePlan]] = {}
         for image, (plan, key) in zip(images, prepared, strict=True):
@@ -433,13 +444,37 @@ class Engine:
 
     def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None) -> SamplingParams:
-        """Sampling parameters within this server's limit (`max_new_tokens` None: this engine's
-        default); `SamplingParams` checks the ranges (a `SamplingError`, bad input)."""
-        max_new = max_new_tokens or self.config.default_max_new_tokens
-        if max_new > self.config.max_new_tokens_limit:
-            limit = self.config.max_new_tokens_limit
-            raise BadRequest(f"max_new_tokens {max_new} is above this server's limit {limit}")
-        return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        """Sampling parameters (`max_new_tokens` None: up to the model length, as in vLLM);
+        `SamplingParams` checks the ranges (a `SamplingError`, bad input). A `max_new_tokens` no
+        prompt could fit under the model length is refused here, before anything is read."""
+        if max_new_tokens is not None and self.max_model_len is not None and max_new_tokens >= self.max_model_len:
+            raise BadRequest(self._too_long(max_new_tokens, None))
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=seed)
+
+    def _too_long(self, asked: int | None, prompt: int | None) -> str:
+        """vLLM's words for a request over the model length (`prompt` None: not counted yet, at
+        least one token)."""
+        limit = self.max_model_len
+        if asked is None:
+            return (f"This model's maximum context length is {limit} tokens. However, your request has {prompt} "
+                    "input tokens. Please reduce the length of the input messages.")
+        has = f"{prompt} input tokens ({asked} > {limit} - {prompt})" if prompt is not None else (
+            f"at least 1 input token ({asked} > {limit} - 1)")
+        return (f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum context "
+                f"length is {limit} tokens and your request has {has}.")
+
+    def _fit(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """`params` with its new tokens within the model length after a prompt of `prompt_tokens`
+        (absent: all the room left), or the refusal."""
+        limit = self.max_model_len
+        if prompt_tokens >= limit:
+            raise BadRequest(self._too_long(None, prompt_tokens))
+        if params.max_new_tokens is None:
+            return dataclasses.replace(params, max_new_tokens=limit - prompt_tokens)
+        if prompt_tokens + params.max_new_tokens > limit:
+            raise BadRequest(self._too_long(params.max_new_tokens, prompt_tokens))
+        return params
 
     async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Event | GenerationResult]:
         """Prefill the spliced prompt and decode: yields each parser event as it happens (reasoning
@@ -450,7 +485,12 @@ class Engine:
                                 "needs the trunk; serve with --components all")
         if chat.kwargs.get("add_generation_prompt") is False:
             raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
-        embeddings = await self.embed(chat.images)
+        # The cost is known before any pixel is decoded: the prompt, its images counted from their headers.
+        with tracing.span("preprocess", images=len(chat.images)):
+            prepared = await self.run_cpu(self._prepare, chat.images)
+            prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
+        params = self._fit(params, prompt_tokens.total)
+        embeddings = await self.embed(chat.images, prepared=prepared)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -490,11 +530,15 @@ class Engine:
         with _named(image, self.metrics):
             return preprocess_image(image.data, image.options, self.config.limits)
 
+    def check_image_count(self, count: int) -> None:
+        """The request cap on images (a face checks it before fetching any)."""
+        if count > self.config.max_images:
+            raise TooLarge(f"too many images: {count}; this server takes at most {self.config.max_images} per request")
+
     def _plans(self, images: Sequence[ImageInput]) -> list[ImagePlan]:
         """Every image's plan, with the request's caps: the image count, then all pixels together."""
         cfg = self.config
-        if len(images) > cfg.max_images:
-            raise TooLarge(f"too many images: {len(images)}; this server takes at most {cfg.max_images} per request")
+        self.check_image_count(len(images))
         plans = [self._plan(image) for image in images]
         total = sum(w * h for w, h in (plan.orig_size for plan in plans))
         if total > cfg.max_request_pixels:
@@ -521,7 +565,9 @@ class Engine:
         return prompt_ids(self.tokenizer, chat.messages, chat.tools, image_prompts, **chat.kwargs)
 
     def _count_chat_tokens(self, chat: ChatInput) -> ChatTokens:
-        plans = self._plans(chat.images)
+        return self._prompt_tokens(chat, self._plans(chat.images))
+
+    def _prompt_tokens(self, chat: ChatInput, plans: Sequence[ImagePlan]) -> ChatTokens:
         ids = self._prompt(chat, [plan.prompt for plan in plans])
         counts = [plan.num_tokens for plan in plans]
         return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)

@@ -8,48 +8,66 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   written under the key vLLM looks each up by, and the answer is a `chat.completion` (or one SSE
   chunk and `[DONE]`) with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
   reports them (per key: the item positions and the placeholder metadata), without the trunk.
-- SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`.
-- `GET /health`: 200 while the server serves, 503 while it warms up or drains (no token needed;
-  not access-logged unless `log_health_checks`).
+- SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
+  its bodies are read as the chat route reads them.
+- `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
+  token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names.
 
-Errors are OpenAI error objects with the status the one taxonomy gives (`service.errors`). Every
-response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on the
-request's access-log line and every other log line written while it is handled.
+A chat completion's cost is admitted before the work: it takes its admission place before its
+body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
+client gets 408 and is closed), then every cheap check (the model, the image count, the sampling
+values, `max_tokens` against the model length) before the first remote image is fetched (all of
+them at once, outside the work slots), and only then a work slot. If the client goes away at any
+point, streaming or not, the work is cancelled there (the engine stops at its next token) and the
+access log says 499.
+
+Errors, every one (404, 405, 408, 413, 429, 431, 5xx ...), are OpenAI error objects with the
+status the one taxonomy gives (`service.errors`); 401 carries `WWW-Authenticate: Bearer`. Every
+response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on
+the request's access-log line and every other log line written while it is handled. Metric labels
+come from fixed sets (a method outside them is "other", a path no route serves "unmatched").
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from service import tracing
-from service.admission import Admission
-from service.auth import BearerToken, presented_token, refusal
+from service.admission import Admission, Ticket
+from service.auth import BearerToken
 from service.engine import ChatInput, Encoding, Engine, GenerationResult, SamplingParams
 from service.engine.vllm_ec import transfer_params
-from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
+from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, failure_for
 from service.http.sglang import add_sglang_routes
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
-from service.openai.images import ImageFetcher
-from service.openai.request import ChatRequest, parse_chat_request, parse_producer_request
-from service.openai.response import Reply, chunk, completion, error_body, new_id
+from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, ImageFetcher
+from service.openai.request import ChatRequest, parse_chat_request, parse_json, parse_producer_request
+from service.openai.response import Reply, chunk, completion, error_body, error_object, new_id
 
 log = logging.getLogger("kimi_vision.access")
 
 HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
+WWW_AUTHENTICATE = 'Bearer realm="kimi-vision"'
+PARSE_IN_THREAD_BYTES = 1 << 20  # a larger body is parsed off the event loop
 
 EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
@@ -57,60 +75,176 @@ EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 mode
 @dataclass(frozen=True)
 class HttpConfig:
     max_body_bytes: int = 64 << 20  # one request body (the gRPC face's message limit)
+    max_header_bytes: int = 16 << 10  # the request line and headers together (more: 431)
+    header_timeout_s: float = 10.0  # a connection's request line and headers must arrive within this (else 408)
+    body_timeout_s: float = 60.0  # a body must arrive within this once its reading starts (else 408)
     token: str | None = None  # bearer token required on /v1/* (None: open)
     allow_remote_images: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None  # only these hosts are fetched (None: any public one)
+    media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S  # a request's remote images, all of them
+    max_media_fetches: int = DEFAULT_CONCURRENCY  # remote image fetches at once, over all requests
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
     tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files: serve HTTPS
 
 
-def _unauthorized(message: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
-    return JSONResponse(body, status_code=401)
+class SlowClient(BadRequest):
+    """A client that did not send its body within the body timeout: 408 on the chat route (and the
+    connection closed); elsewhere (SGLang's routes) the taxonomy's bad input."""
 
 
 def _error(failure: Failure) -> JSONResponse:
-    return JSONResponse(error_body(failure), status_code=failure.rule.http)
+    headers = {"www-authenticate": WWW_AUTHENTICATE} if failure.kind == Kind.UNAUTHENTICATED else None
+    return JSONResponse(error_body(failure), status_code=failure.rule.http, headers=headers)
+
+
+def http_error(status: int, message: str, error_type: str = "invalid_request_error", *,
+               close: bool = False, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI error object for a status of HTTP itself (404, 405, 408, 431)."""
+    headers = {**(headers or {}), **({"connection": "close"} if close else {})}
+    return JSONResponse(error_object(message, error_type, status), status_code=status, headers=headers)
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events that own their request's admission and generation (`stack`): both are
+    given back however the stream ends (finished, failed, or its client gone, even before it began)."""
+
+    def __init__(self, events: AsyncIterator[str], stack: contextlib.AsyncExitStack) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._stack = stack
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stack.aclose()
+
+
+def _length(headers: Any) -> int | None:
+    """A message's declared content-length (None: not declared, as for a stream)."""
+    declared = headers.get("content-length")
+    return int(declared) if declared and declared.isdigit() else None
+
+
+class HttpApp:
+    """The face as uvicorn runs it: the FastAPI app, and around it, before any route, the request
+    id, the header size and the token on /v1/*; after it, the metrics and one access-log line per
+    request (never content), and an OpenAI error object for a failure nothing else answered. A
+    response's time is to its start (a stream's: its first event)."""
+
+    def __init__(self, app: FastAPI, metrics: Metrics, config: HttpConfig, log_health_checks: bool) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.config = config
+        self.token = BearerToken(config.token) if config.token else None
+        self.log_health_checks = log_health_checks
+        # One thread parses the large bodies: their memory stays in one allocator arena.
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-http-json")
+
+    def close(self) -> None:
+        self.parser.shutdown(wait=False, cancel_futures=True)
+
+    def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
+        size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(name) + len(value) + 4 for name, value in scope["headers"])
+        if size > self.config.max_header_bytes:
+            return http_error(431, f"the request line and headers hold {size:,} bytes; the limit is "
+                                   f"{self.config.max_header_bytes:,}", close=True)
+        if self.token is None or not scope["path"].startswith("/v1/"):
+            return None
+        refused = self.token.refusal(headers.getlist("authorization"))
+        if refused is None:
+            return None
+        log.warning("refused %s %s: %s", scope["method"], scope["path"], refused)
+        return _error(failure_for(refused))
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = Headers(scope=scope)
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
+        REQUEST_ID.set(rid)  # this request's task only
+        method, path = scope["method"], scope["path"]
+        health = path == HEALTH_PATH
+        answered: dict[str, Any] = {}
+
+        async def observed(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                answered.update(status=message["status"], seconds=time.perf_counter() - start,
+                                bytes=_length(Headers(raw=message.get("headers", []))))
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        span = contextlib.nullcontext() if health else tracing.span(
+            f"{method} {path}", carrier=dict(headers),
+            **{"http.request.method": method, "url.path": path, "kimi_vision.request_id": rid})
+        with span as current:
+            try:
+                refusal = self._refusal(scope, headers)
+                await (refusal or self.app)(scope, receive, observed)
+            except Exception as exc:  # noqa: BLE001 - a failure no handler answered: still an OpenAI error
+                if "status" not in answered:  # else the app's own handler answered (and logged) it
+                    await _error(failure_for(exc))(scope, receive, observed)
+            status = answered.get("status", 500)
+            if current is not None:
+                current.set_attribute("http.response.status_code", status)
+        seconds = answered.get("seconds", time.perf_counter() - start)
+        route = scope.get("route")
+        self.metrics.http_end(method, getattr(route, "path", UNMATCHED), status, seconds)
+        if health and not self.log_health_checks:
+            return
+        client = scope.get("client")
+        log_access(log, request_id=rid, method=f"{method} {_printable(path)}",
+                   peer=f"{client[0]}:{client[1]}" if client else "?", status_name="status", status=str(status),
+                   seconds=seconds, request_bytes=_length(headers), response_bytes=answered.get("bytes"))
+
+    def refused(self, status: int, peer: str, seconds: float) -> None:
+        """Count and log a connection the HTTP protocol refused before any request could reach the
+        app (408 for a head too slow, 431, 400 for bytes that are not HTTP)."""
+        self.metrics.http_end("", UNMATCHED, status, seconds)
+        log_access(log, request_id=request_id(None), method="-", peer=peer, status_name="status", status=str(status),
+                   seconds=seconds, request_bytes=None, response_bytes=None)
+
+
+def _printable(path: str) -> str:
+    """A path as a log line may hold it (a caller's path could carry a newline, or be huge)."""
+    shown = path if path.isprintable() else path.encode("unicode_escape").decode("ascii")
+    return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
 def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
-               log_health_checks: bool = False) -> FastAPI:
-    """The app on one server process's admission (which holds the engine) and metrics."""
+               log_health_checks: bool = False) -> HttpApp:
+    """The face on one server process's admission (which holds the engine) and metrics."""
     app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
-    token = BearerToken(config.token) if config.token else None
+    face = HttpApp(app, metrics, config, log_health_checks)
+    fetchers: list[ImageFetcher] = []  # one, made with the engine's per-image limit, shared by every request
 
-    @app.middleware("http")
-    async def access(request: Request, call_next: Any) -> Response:
-        """The request id, auth on /v1/*, then the metrics and one access-log line per request (never
-        content). A stream's time is to its first event (when its response starts)."""
-        start = time.perf_counter()
-        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
-        REQUEST_ID.set(rid)  # this request's task only
-        path = request.url.path
-        health = path == HEALTH_PATH
-        span = contextlib.nullcontext() if health else tracing.span(
-            f"{request.method} {path}", carrier=dict(request.headers),
-            **{"http.request.method": request.method, "url.path": path, "kimi_vision.request_id": rid})
-        with span as current:
-            if token is not None and path.startswith("/v1/"):
-                presented = presented_token(request.headers.getlist("authorization"))
-                response = await call_next(request) if token.accepts(presented) else _unauthorized(refusal(presented))
-            else:
-                response = await call_next(request)
-            if current is not None:
-                current.set_attribute("http.response.status_code", response.status_code)
-        response.headers[REQUEST_ID_HEADER] = rid
-        seconds = time.perf_counter() - start
-        route = request.scope.get("route")
-        metrics.http_end(request.method, getattr(route, "path", UNMATCHED), response.status_code, seconds)
-        if health and not log_health_checks:
-            return response
-        log_access(log, request_id=rid, method=f"{request.method} {path}",
-                   peer=f"{request.client.host}:{request.client.port}" if request.client else "?",
-                   status_name="status", status=str(response.status_code), seconds=seconds,
-                   request_bytes=_length(request.headers), response_bytes=_length(response.headers))
-        return response
+    def fetcher(engine: Engine) -> ImageFetcher:
+        if not fetchers:
+            fetchers.append(ImageFetcher(engine.config.limits.max_bytes, allow_remote=config.allow_remote_images,
+                                         timeout_s=config.media_fetch_timeout_s,
+                                         allowed_domains=config.allowed_media_domains,
+                                         concurrency=config.max_media_fetches))
+        return fetchers[0]
 
-    @app.get("/health")
+    @app.exception_handler(HTTPException)
+    async def http_exception(request: Request, exc: HTTPException) -> Response:  # the router's 404 and 405
+        if exc.status_code == 405:
+            allowed = Headers(headers=exc.headers or {}).get("allow")
+            message = (f"{_printable(request.method)} is not allowed on {_printable(request.url.path)}; "
+                       f"allowed: {allowed}")
+        elif exc.status_code == 404:
+            message = f"no such route: {_printable(request.url.path)}"
+        else:
+            message = str(exc.detail)
+        return http_error(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> Response:
+        return _error(failure_for(exc))
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if admission.serving:
             return JSONResponse({"status": "serving"})
@@ -125,74 +259,127 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
                  "parent": None} for name in engine.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
+    async def respond(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
+        chat_request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
+        engine = admission.engine  # set once the server serves, which admission waited for
+        if not engine.serves(chat_request.model):
+            raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
+                           f"{list(engine.served_model_names)}")
+        # The cheap checks, before any image is fetched: their count, the sampling values, the length.
+        engine.check_image_count(len(chat_request.images))
+        # A producer samples nothing (its requests carry whatever vLLM's proxy copied over).
+        params = None if config.ec_producer else engine.sampling(chat_request.max_tokens, **chat_request.sampling)
+        images = await fetcher(engine).fetch_all(chat_request.images)  # not holding a work slot
+        chat = chat_request.chat_input(images)
+        engine = await stack.enter_async_context(ticket.work())
+        reply = await _answer(engine, chat_request, chat, params, config)
+        if isinstance(reply, dict):
+            return JSONResponse(reply)
+        stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
+        first = await anext(reply)  # the prefill: its errors are still a status, not a broken stream
+
+        async def events() -> AsyncIterator[str]:
+            yield first
+            try:
+                async for line in reply:
+                    yield line
+            except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
+                yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
+                yield "data: [DONE]\n\n"
+
+        return _Stream(events(), stack)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         stack = contextlib.AsyncExitStack()
+        streaming = False
         try:
-            body = await _json_body(request, config.max_body_bytes)
-            chat_request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
-            engine = await stack.enter_async_context(admission.admit())
-            if not engine.serves(chat_request.model):
-                raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
-                               f"{list(engine.served_model_names)}")
-            reply = await _answer(engine, chat_request, config)
-            if isinstance(reply, dict):
-                await stack.aclose()
-                return JSONResponse(reply)
-            first = await anext(reply)  # the prefill: its errors are still a status, not a broken stream
+            ticket = await stack.enter_async_context(admission.enter())
+            body = await _read_body(request, ticket, config, face.parser)
+            response = await _unless_disconnected(request, respond(ticket, body, stack))
+            streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
+            return response
+        except SlowClient as exc:
+            return http_error(408, str(exc), "timeout_error", close=True)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error, in one place
-            await stack.aclose()
             return _error(failure_for(exc))
+        finally:
+            if not streaming:
+                await stack.aclose()
 
-        async def events() -> AsyncIterator[str]:
-            async with stack:  # the slot is held until the stream ends
-                yield first
-                try:
-                    async for line in reply:
-                        yield line
-                except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
-                    yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
-                    yield "data: [DONE]\n\n"
+    async def read_json(request: Request) -> Any:
+        """A body as the chat route reads one: a queue place and a body slot while it comes, within
+        the body timeout (the work that follows is admitted on its own)."""
+        async with admission.enter() as ticket:
+            return await _read_body(request, ticket, config, face.parser)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    add_sglang_routes(app, admission, lambda request: _json_body(request, config.max_body_bytes),
-                      allow_remote_images=config.allow_remote_images)
-    return app
+    add_sglang_routes(app, admission, read_json, allow_remote_images=config.allow_remote_images)
+    return face
 
 
-def _length(headers: Any) -> int | None:
-    """A message's declared content-length (None: not declared, as for a stream)."""
-    declared = headers.get("content-length")
-    return int(declared) if declared and declared.isdigit() else None
-
-
-async def _json_body(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parser: ThreadPoolExecutor) -> Any:
+    """The body, parsed: its size checked first (declared, then as it comes), read once a body
+    slot is free (`Ticket.reading`) and within the body timeout from then, into one buffer of the
+    declared size (no copies as it grows, nothing for the allocator to keep of them). A large body
+    is parsed on `parser`'s thread, off the event loop."""
+    limit = config.max_body_bytes
     declared = _length(request.headers)
     if declared is not None and declared > limit:
         raise TooLarge(f"the request body is {declared:,} bytes; the limit is {limit:,}")
-    raw = bytearray()
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > limit:
-            raise TooLarge(f"the request body is over the {limit:,}-byte limit")
+    async with ticket.reading():
+        raw = bytearray(declared or 0)
+        size = 0
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                async for piece in request.stream():
+                    end = size + len(piece)
+                    if end > limit:
+                        raise TooLarge(f"the request body is over the {limit:,}-byte limit")
+                    if end <= len(raw):
+                        raw[size:end] = piece
+                    else:  # not declared (chunked): grown as it comes
+                        raw += piece
+                    size = end
+        except TimeoutError:
+            came = f"{size:,} bytes came" + (f" of {declared:,}" if declared is not None else "")
+            raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({came})") from None
+        except ClientDisconnect:
+            raise ClientGone("the client closed the connection while sending the body") from None
+        if size > PARSE_IN_THREAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(parser, parse_json, raw, "the request body")
+        return parse_json(raw, "the request body")
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`'s response, unless the client goes away first: then `answer` is cancelled where it
+    is (waiting for a slot, fetching, encoding, generating: the engine stops at its next token)."""
+    work = asyncio.ensure_future(answer)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left first (or this request itself is being cancelled)
+            work.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone("the client closed the connection before the answer")
+    return work.result()
 
 
-async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> dict[str, Any] | AsyncIterator[str]:
+async def _answer(engine: Engine, request: ChatRequest, chat: ChatInput, params: SamplingParams | None,
+                  config: HttpConfig) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
-    fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=config.allow_remote_images)
-    images = [await fetcher.fetch(part) for part in request.images]
-    chat = request.chat_input(images)
     model = request.model or engine.served_model_names[0]
     reply_id = new_id()
     if config.ec_producer:  # the files are the answer: nothing is sampled
         encoding = await engine.encode(chat, export_dtype=EXPORT_DTYPE)
         return _encoded(encoding, model, reply_id, request)
-    params = engine.sampling(request.max_tokens, **request.sampling)
     if not request.stream:
         reply = Reply()
         async with contextlib.aclosing(engine.generate(chat, params)) as items:

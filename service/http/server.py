@@ -2,17 +2,35 @@
 
 The server process owns the signals (SIGTERM drains both faces), so uvicorn's own signal handling
 is switched off. The socket is bound here, so port 0 works and a busy port is an error at start.
+
+uvicorn's HTTP/1.1 protocol is given what it lacks against slow and careless clients
+(`_GuardedH11`): a connection must send its request line and headers within the header timeout
+(else 408); a head over the header limit is 431 and malformed HTTP 400, each an OpenAI error
+object; after such a refusal the connection is closed gracefully (what the client still sends is
+read and dropped for a moment, so it reads the answer instead of a reset); a body the app did not
+read (a 413 before it) is drained for at most the body timeout. Each refusal is counted and
+logged like any request (`HttpApp.refused`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
+import json
 import socket
+import time
 from collections.abc import Iterator
+from typing import Any
 
+import h11
 import uvicorn
-from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.http.app import HttpApp
+from service.openai.response import error_object
+
+LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
 
 
 class _Server(uvicorn.Server):
@@ -21,12 +39,89 @@ class _Server(uvicorn.Server):
         yield
 
 
+class _GuardedH11(H11Protocol):
+    """H11Protocol with a header timeout, 431 and 400 as OpenAI errors, graceful closes after a
+    refusal, and a bound on draining an unread body. `app` is set per server (a subclass)."""
+
+    app_face: HttpApp
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._lingering = False
+        self._seen: object = None  # the request cycle whose head was seen last
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._await_head()
+
+    def _await_head(self) -> None:
+        self._head_started = time.perf_counter()
+        self._head_timer = self.loop.call_later(self.app_face.config.header_timeout_s, self._head_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # read and dropped
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._await_head()  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
+        if self.cycle is not self._seen:  # a request's head arrived whole
+            self._seen = self.cycle
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        timeout = self.app_face.config.header_timeout_s
+        self._refuse(408, f"the request line and headers did not arrive within {timeout:g} s", "timeout_error")
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn answers when h11 cannot parse the request."""
+        limit = self.app_face.config.max_header_bytes
+        if len(self.conn.trailing_data[0]) > limit:
+            self._refuse(431, f"the request line and headers are over the {limit:,}-byte limit",
+                         "invalid_request_error")
+        else:
+            self._refuse(400, "invalid HTTP request (not HTTP/1.1 as h11 reads it)", "invalid_request_error")
+
+    def _refuse(self, status: int, message: str, error_type: str) -> None:
+        body = json.dumps(error_object(message, error_type, status)).encode()
+        head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+        self.transport.write(head + body)
+        self._lingering = True
+        self._unset_keepalive_if_required()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client reads the answer, then EOF
+        self.loop.call_later(LINGER_S, self.transport.close)
+        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+        self.app_face.refused(status, peer, time.perf_counter() - self._head_started)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # The app answered before reading the body (413): uvicorn drains it, for a bounded time.
+            self.loop.call_later(self.app_face.config.body_timeout_s, self._drain_timeout, self.cycle)
+
+    def _drain_timeout(self, cycle: object) -> None:
+        if self.cycle is cycle and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
+
+
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, *, certfile: str | None = None,
+    def __init__(self, app: HttpApp, host: str, port: int, *, certfile: str | None = None,
                  keyfile: str | None = None) -> None:
+        protocol = type("_Protocol", (_GuardedH11,), {"app_face": app})
         config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_level="warning",
-                                ssl_certfile=certfile, ssl_keyfile=keyfile, timeout_graceful_shutdown=5)
+                                ssl_certfile=certfile, ssl_keyfile=keyfile, timeout_graceful_shutdown=5,
+                                http=protocol, h11_max_incomplete_event_size=app.config.max_header_bytes)
         self._server = _Server(config)
+        self._app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -52,3 +147,4 @@ class HttpServer:
         self._server.should_exit = True
         await self._task
         self._socket.close()
+        self._app.close()

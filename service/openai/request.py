@@ -9,12 +9,16 @@ image bytes are fetched afterwards, by the face that knows what it may read (`im
 Every parameter a caller may send is either honoured, accepted at its neutral value (`n: 1`,
 `presence_penalty: 0`, ...), or refused with an error naming it: nothing is silently ignored. An EC
 producer, which samples nothing, takes every parameter of vLLM's chat API instead
-(`parse_producer_request`).
+(`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
+(those of the `openai` SDK's request types); a body may nest at most `MAX_JSON_DEPTH` levels
+(`parse_json` reads JSON text by the same rule, on every face).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +37,158 @@ INERT = ("user", "metadata", "store", "service_tier")
 TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
+# Far deeper than any chat or tool schema nests, far shallower than Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def parse_json(raw: str | bytes, what: str) -> Any:
+    """JSON text a caller sent, parsed: not JSON, or nested deeper than `MAX_JSON_DEPTH`, is bad
+    input naming `what`."""
+    too_deep = BadRequest(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep `value` nests (a scalar: 0), without recursion (what a caller sends can be deep)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level + 1)
+            if level + 1 <= MAX_JSON_DEPTH:  # no need to look deeper than the refusal
+                stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+# -- OpenAI's shapes for tools, tool_choice and response_format (openai.types.chat) --------------
+
+Check = Callable[[Any, str], None]
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _string(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise BadRequest(f"{where} must be a string, got {_json_type(value)}")
+
+
+def _function_name(value: Any, where: str) -> None:
+    _string(value, where)
+    if not _FUNCTION_NAME.fullmatch(value):
+        raise BadRequest(f"{where} must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-', got {value!r}")
+
+
+def _optional_bool(value: Any, where: str) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{where} must be true, false or null, got {_json_type(value)}")
+
+
+def _any_object(value: Any, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"{where} must be an object, got {_json_type(value)}")
+
+
+def _one_of(*allowed: str) -> Check:
+    def check(value: Any, where: str) -> None:
+        if value not in allowed:
+            raise BadRequest(f"{where} must be one of {list(allowed)}, got {value!r}")
+    return check
+
+
+def _fields(required: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+    """An object with these fields (no others: a misspelt one is named, not ignored)."""
+    optional = optional or {}
+
+    def check(value: Any, where: str) -> None:
+        _any_object(value, where)
+        unknown = sorted(set(value) - set(required) - set(optional))
+        if unknown:
+            raise BadRequest(f"{where} has unknown field(s) {unknown}; allowed: {sorted({*required, *optional})}")
+        for key, field_check in required.items():
+            if key not in value:
+                raise BadRequest(f"{where}.{key} is required")
+            field_check(value[key], f"{where}.{key}")
+        for key, field_check in optional.items():
+            if key in value:
+                field_check(value[key], f"{where}.{key}")
+    return check
+
+
+def _by_type(shapes: Mapping[str, Check]) -> Check:
+    """An object whose `type` picks its shape."""
+    def check(value: Any, where: str) -> None:
+        _any_object(value, where)
+        kind = value.get("type")
+        if kind not in shapes:
+            raise BadRequest(f"{where}.type must be one of {list(shapes)}, got {kind!r}")
+        shapes[kind](value, where)
+    return check
+
+
+def _list_of(item: Check) -> Check:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, list):
+            raise BadRequest(f"{where} must be an array, got {_json_type(value)}")
+        for i, element in enumerate(value):
+            item(element, f"{where}[{i}]")
+    return check
+
+
+_TYPE = {"type": _string}
+_TOOL = _by_type({
+    "function": _fields({**_TYPE, "function": _fields({"name": _function_name}, {
+        "description": _string, "parameters": _any_object, "strict": _optional_bool})}),
+    "custom": _fields({**_TYPE, "custom": _fields({"name": _string}, {"description": _string, "format": _by_type({
+        "text": _fields(_TYPE),
+        "grammar": _fields({**_TYPE, "grammar": _fields({"definition": _string,
+                                                         "syntax": _one_of("lark", "regex")})})})})}),
+})
+_TOOL_CHOICE_OBJECT = _by_type({
+    "function": _fields({**_TYPE, "function": _fields({"name": _string})}),
+    "custom": _fields({**_TYPE, "custom": _fields({"name": _string})}),
+    "allowed_tools": _fields({**_TYPE, "allowed_tools": _fields({"mode": _one_of("auto", "required"),
+                                                                 "tools": _list_of(_any_object)})}),
+})
+_RESPONSE_FORMAT = _by_type({
+    "text": _fields(_TYPE),
+    "json_object": _fields(_TYPE),
+    "json_schema": _fields({**_TYPE, "json_schema": _fields({"name": _function_name}, {
+        "description": _string, "schema": _any_object, "strict": _optional_bool})}),
+})
+
+
+def _check_tools(tools: Any, tool_choice: Any, response_format: Any) -> None:
+    if tools is not None:
+        _list_of(_TOOL)(tools, "tools")
+    if response_format is not None:
+        _RESPONSE_FORMAT(response_format, "response_format")
+    if tool_choice is None:
+        return
+    if isinstance(tool_choice, str):
+        _one_of("none", "auto", "required")(tool_choice, "tool_choice")
+    else:
+        _TOOL_CHOICE_OBJECT(tool_choice, "tool_choice")
+    if tool_choice != "none" and not tools:  # as vLLM
+        raise BadRequest(f"tool_choice {tool_choice!r} needs tools; give tools or drop tool_choice")
+    kind = tool_choice.get("type") if isinstance(tool_choice, Mapping) else None
+    if kind in ("function", "custom"):
+        name = tool_choice[kind]["name"]
+        names = [tool[kind]["name"] for tool in tools if tool["type"] == kind]
+        if name not in names:
+            raise BadRequest(f"tool_choice.{kind}.name {name!r} is not one of the {kind} tools given: {names}")
 
 # Every field of vLLM 0.33.0's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py),
 # in its order: what vLLM's proxies may pass on to an encoder, all of which an EC producer takes
@@ -154,6 +310,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     and the generation settings. Raises BadRequest / Unsupported / SamplingError naming the field."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
@@ -167,8 +325,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     images: list[ImagePart] = []
     template_messages = [_message(m, i, images) for i, m in enumerate(messages)]
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRequest("tools must be a list")
+    _check_tools(tools, body.get("tool_choice"), body.get("response_format"))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(f"model must be a string, got {model!r}")

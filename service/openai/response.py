@@ -26,6 +26,7 @@ ERROR_TYPES = {
     Kind.UNSUPPORTED: "invalid_request_error",
     Kind.NOT_CONFIGURED: "invalid_request_error",
     Kind.NOT_FOUND: "invalid_request_error",
+    Kind.UNAUTHENTICATED: "authentication_error",
     Kind.OVERLOADED: "rate_limit_error",
     Kind.UNAVAILABLE: "service_unavailable_error",
     Kind.DEADLINE: "timeout_error",
@@ -109,5 +110,10 @@ def chunk(delta: dict[str, Any] | None, *, model: str, request_id: str, created:
 
 def error_body(failure: Failure) -> dict[str, Any]:
     """The OpenAI error object; `code` is the HTTP status (as vLLM's server sends it)."""
-    return {"error": {"message": failure.message, "type": ERROR_TYPES[failure.kind], "param": None,
-                      "code": failure.rule.http}}
+    return error_object(failure.message, ERROR_TYPES[failure.kind], failure.rule.http)
+
+
+def error_object(message: str, error_type: str, status: int) -> dict[str, Any]:
+    """The OpenAI error object for a status of HTTP itself (404, 405, 408, 431), which no kind of
+    the taxonomy stands for."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}

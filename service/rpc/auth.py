@@ -1,10 +1,11 @@
 """Optional bearer-token authentication for the gRPC server, and the client side of it.
 
 Server: `BearerTokenInterceptor(token)` is a grpc.aio server interceptor. Every RPC must carry
-the metadata `authorization: Bearer <token>`; anything else is answered `UNAUTHENTICATED`
-before the request reaches a handler (unknown methods too, so a caller without the token learns
-nothing about the API). `grpc.health.v1.Health` stays open: load balancers and orchestrators
-probe health without credentials.
+the metadata `authorization: Bearer <token>`; anything else is answered as the error taxonomy
+answers an unauthenticated request (`UNAUTHENTICATED`, the kind in the trailing metadata, a log
+line with the request id saying why) before the request reaches a handler (unknown methods too,
+so a caller without the token learns nothing about the API). `grpc.health.v1.Health` stays
+open: load balancers and orchestrators probe health without credentials.
 
 Client: the token travels as call credentials, which gRPC only attaches to a secure channel.
 `bearer_credentials(token, root_certificates=...)` gives TLS + token; without certificates it
@@ -21,7 +22,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
-from service.auth import BearerToken, presented_token, refusal
+from service import errors
+from service.auth import BearerToken
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
@@ -33,19 +35,24 @@ def _service_of(method: str) -> str:
     return method.lstrip("/").partition("/")[0]
 
 
-def _presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    return presented_token(value for key, value in (metadata or ()) if key == "authorization")
+def _authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> list[str | bytes]:
+    return [value for key, value in (metadata or ()) if key == "authorization"]
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED without touching the
-    request (no deserializer: an unauthenticated request is never parsed)."""
+def _deny_handler(handler: grpc.RpcMethodHandler | None, method: str,
+                  refusal: errors.Unauthenticated) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers the refusal as the error taxonomy
+    maps it, without touching the request (no deserializer: an unauthenticated request is never
+    parsed). It runs inside the observer's call, so its log line carries the request id."""
+    failure = errors.failure_for(refusal)
 
     async def unary(_request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        log.warning("refused %s: %s", method, failure.message)
+        trailing = (*(context.trailing_metadata() or ()), (errors.KIND_METADATA, failure.kind.value))
+        await context.abort(failure.rule.grpc, failure.message, trailing_metadata=trailing)
 
-    async def stream(_request: object, context: grpc.aio.ServicerContext):  # async generator
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def stream(request: object, context: grpc.aio.ServicerContext):  # async generator
+        await unary(request, context)
         yield  # pragma: no cover - abort raises
 
     if handler is None or handler.unary_unary:
@@ -65,7 +72,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._exempt = frozenset(exempt_services)
 
     def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        return self._token.accepts(_presented_token(metadata))
+        return self._token.refusal(_authorization(metadata)) is None
 
     async def intercept_service(
         self,
@@ -75,12 +82,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if _service_of(method) in self._exempt:
             return await continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata
-        if self.authorized(metadata):
+        refusal = self._token.refusal(_authorization(handler_call_details.invocation_metadata))
+        if refusal is None:
             return await continuation(handler_call_details)
-        presented = _presented_token(metadata)
-        log.warning("refused %s: %s bearer token", method, "missing or malformed" if presented is None else "wrong")
-        return _deny_handler(await continuation(handler_call_details), refusal(presented))
+        return _deny_handler(await continuation(handler_call_details), method, refusal)
 
 
 # ---------------------------------------------------------------------------------------------

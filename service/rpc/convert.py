@@ -13,6 +13,7 @@ import torch
 
 from service.engine import ChatInput, Engine, GenerationResult, ImageInput, SamplingParams
 from service.errors import BadRequest, Unsupported
+from service.openai.request import parse_json
 from service.rpc._proto import vision_pb2 as pb
 from textcore import parser as p
 from vision.buffers import BufferPool
@@ -49,10 +50,7 @@ def image_input(image: pb.Image, where: str = "") -> ImageInput:
 def _json_field(text: str, name: str, kind: type) -> Any:
     if not text:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"{name} is not valid JSON: {exc}") from None
+    value = parse_json(text, name)
     if not isinstance(value, kind):
         raise BadRequest(f"{name} must be a JSON {kind.__name__}, got {type(value).__name__}")
     return value
