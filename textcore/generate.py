@@ -1,8 +1,9 @@
-"""Batched generation with the KimiLinear trunk: one prefill, then one token per step per sequence.
+"""Batched generation with the KimiLinear trunk: each prompt prefilled into its own cache, then one
+token per step for all sequences together.
 
-Prompts of different lengths are left-padded; the pad positions change no KDA state and are never
-attended by MLA, so every sequence gets exactly the logits it would get alone. Prompts are token
-ids or embeddings (the service splices image embeddings into `embed_tokens(ids)`).
+Every sequence keeps its own cache (`textcore.model.SequenceCache`), so prompts of different
+lengths need no padding and each sequence gets the logits it would get alone. Prompts are token ids
+or embeddings (the service splices image embeddings into `embed_tokens(ids)`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from textcore.config import END_OF_MSG
-from textcore.model import KimiLinearForCausalLM
+from textcore.model import KimiLinearForCausalLM, TrunkCache
 
 
 class SamplingError(ValueError):
@@ -68,17 +69,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-def _left_pad(prompts: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack `[T_i, ...]` prompts into `[B, T, ...]` with left padding (zeros) and a pad mask."""
-    T = max(p.shape[0] for p in prompts)
-    batch = prompts[0].new_zeros((len(prompts), T, *prompts[0].shape[1:]))
-    pad = torch.ones(len(prompts), T, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        batch[i, T - p.shape[0]:] = p
-        pad[i, T - p.shape[0]:] = False
-    return batch.to(device), pad.to(device)
-
-
 @torch.no_grad()
 def generate(
     model: KimiLinearForCausalLM,
@@ -117,16 +107,14 @@ def generate(
         raise ValueError(f"allowed_ids must be a bool mask of shape [{model.cfg.vocab_size}], "
                          f"got {list(allowed_ids.shape)}")
     blocked = None if allowed_ids is None else ~allowed_ids.to(device=device, dtype=torch.bool)
-    batch, pad_mask = _left_pad(tensors, device)
-    B = batch.shape[0]
+    B = len(tensors)
     gen = None
     if params.seed is not None:
         gen = torch.Generator(device=device).manual_seed(params.seed)
-    cache = model.new_cache(B, latent_dtype=latent_cache_dtype)
-    if input_ids is not None:
-        logits = model(input_ids=batch, cache=cache, pad_mask=pad_mask, last_only=True)
-    else:
-        logits = model(inputs_embeds=batch, cache=cache, pad_mask=pad_mask, last_only=True)
+    cache = TrunkCache([model.new_sequence(len(p) + params.max_new_tokens, latent_cache_dtype) for p in tensors])
+    key = "input_ids" if input_ids is not None else "inputs_embeds"
+    logits = torch.cat([model(**{key: p[None].to(device)}, cache=TrunkCache([sequence]), last_only=True)
+                        for p, sequence in zip(tensors, cache.sequences, strict=True)])
 
     stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     results = [Generation([], "length") for _ in range(B)]

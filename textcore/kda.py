@@ -217,11 +217,31 @@ class ShortConv(nn.Module):
 
 
 class KDACache:
-    """Decode state of one KDA layer: conv inputs and the recurrent state, both fp32."""
+    """Decode state of one sequence in one KDA layer: the conv inputs (q, k, v) and the recurrent
+    state, fp32; None until the sequence's first token (the zero state)."""
 
     def __init__(self):
-        self.conv: list[torch.Tensor | None] = [None, None, None]  # q, k, v
-        self.state: torch.Tensor | None = None
+        self.conv: list[torch.Tensor | None] = [None, None, None]  # each [channels, kernel - 1]
+        self.state: torch.Tensor | None = None  # [H, K, V]
+
+    def clone(self) -> KDACache:
+        copy = KDACache()
+        copy.conv = [None if t is None else t.clone() for t in self.conv]
+        copy.state = None if self.state is None else self.state.clone()
+        return copy
+
+    @staticmethod
+    def nbytes(cfg) -> int:
+        """What one sequence holds in one KDA layer (fp32)."""
+        proj = cfg.kda_num_heads * cfg.kda_head_dim
+        return 4 * (3 * proj * (cfg.short_conv_kernel_size - 1) + cfg.kda_num_heads * cfg.kda_head_dim ** 2)
+
+
+def _stacked(states: list[torch.Tensor | None], shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """`[B, *shape]` from per-sequence states (None: zeros); a view for a batch of one."""
+    if len(states) == 1 and states[0] is not None:
+        return states[0][None]
+    return torch.stack([s if s is not None else like.new_zeros(shape, dtype=torch.float32) for s in states])
 
 
 class KimiDeltaAttention(nn.Module):
@@ -251,35 +271,31 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=torch.float32)  # shipped in fp32
         self.o_proj = lin(proj, hidden)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[B, T, hidden]`; pad_mask `[B, T]` True at left-padding positions, which then leave
-        conv and recurrent state exactly as if they were absent."""
+    def forward(self, x: torch.Tensor, caches: list[KDACache] | None = None) -> torch.Tensor:
+        """x `[B, T, hidden]`: T new tokens of each of B sequences, which continue `caches` (one per
+        sequence: their states are stacked for the step and each sequence keeps its own row after
+        it) or, without caches, are whole sequences."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         qkv = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        if pad_mask is not None:
-            qkv = [t.masked_fill(pad_mask[..., None], 0) for t in qkv]
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         outs = []
         for i, (t, conv) in enumerate(zip(qkv, convs, strict=True)):
-            y, new_state = conv(t, cache.conv[i] if cache is not None else None)
-            if cache is not None:
-                cache.conv[i] = new_state
+            state = None if caches is None else _stacked([c.conv[i] for c in caches], (H * D, conv.kernel - 1), x)
+            y, new_state = conv(t, state)
+            for b, cache in enumerate(caches or ()):
+                cache.conv[i] = new_state[b].clone()  # not a view: that would keep the whole chunk's inputs
             outs.append(y.view(B, T, H, D))
         q, k, v = l2_normalize(outs[0]), l2_normalize(outs[1]), outs[2]
         raw = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, H, D)
         rate = self.A_log[:H].float().exp()[:, None]  # [H, 1]
         g = self.gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias.view(H, D)))  # in [bound, 0)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if pad_mask is not None:
-            g = g.masked_fill(pad_mask[..., None, None], 0)
-            beta = beta.masked_fill(pad_mask[..., None], 0)
-        state = cache.state if cache is not None else None
+        state = None if caches is None else _stacked([c.state for c in caches], (H, D, D), x)
         kda = recurrent_kda if T == 1 else chunk_kda
-        o, state = kda(q, k, v, g, beta, scale=D**-0.5, initial_state=state, output_final_state=cache is not None)
-        if cache is not None:
-            cache.state = state
+        o, state = kda(q, k, v, g, beta, scale=D**-0.5, initial_state=state, output_final_state=caches is not None)
+        for b, cache in enumerate(caches or ()):
+            cache.state = state[b]
         gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, D)
         o = rms_norm(o, self.o_norm.weight, self.norm_eps) * gate
         return self.o_proj(o.reshape(B, T, H * D).to(x.dtype))

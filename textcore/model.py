@@ -54,15 +54,45 @@ class Embedding(nn.Embedding):
         pass
 
 
-class TrunkCache:
-    """Decode state for a batch: per KDA layer conv + recurrent state, per MLA layer the latents."""
+class SequenceCache:
+    """One sequence's decode state: per KDA layer its conv inputs and recurrent state, per MLA layer
+    its latents (room for `capacity` tokens, allocated by its first token). `length`: tokens seen."""
 
-    def __init__(self, cfg: TextConfig, batch: int, latent_dtype: torch.dtype | None = None):
-        self.batch = batch
+    def __init__(self, cfg: TextConfig, capacity: int = 0, latent_dtype: torch.dtype | None = None):
         self.layers: list[KDACache | MLACache] = [
-            KDACache() if cfg.is_kda(i) else MLACache(latent_dtype) for i in range(cfg.num_hidden_layers)
+            KDACache() if cfg.is_kda(i) else MLACache(capacity, latent_dtype) for i in range(cfg.num_hidden_layers)
         ]
-        self.length = 0  # tokens seen per sequence (including left padding)
+        self.length = 0
+
+    def fork(self) -> SequenceCache:
+        """An independent copy (a second sequence continuing the same prompt)."""
+        copy = SequenceCache.__new__(SequenceCache)
+        copy.layers = [layer.clone() for layer in self.layers]
+        copy.length = self.length
+        return copy
+
+    @staticmethod
+    def worst_case_bytes(cfg: TextConfig, tokens: int, dtype: torch.dtype,
+                         latent_dtype: torch.dtype | None = None) -> int:
+        """What a sequence of `tokens` tokens holds at most: fixed KDA states plus MLA latents per token."""
+        mla = cfg.num_hidden_layers - len(cfg.kda_layers)
+        return len(cfg.kda_layers) * KDACache.nbytes(cfg) + mla * tokens * MLACache.bytes_per_token(
+            cfg, dtype, latent_dtype)
+
+
+class TrunkCache:
+    """The decode state of a batch: one `SequenceCache` per row, which that row's tokens continue.
+    Sequences of different lengths decode together; each keeps its own state between steps."""
+
+    def __init__(self, sequences: list[SequenceCache]):
+        self.sequences = sequences
+
+    @property
+    def batch(self) -> int:
+        return len(self.sequences)
+
+    def layer(self, i: int) -> list:
+        return [sequence.layers[i] for sequence in self.sequences]
 
 
 class DecoderLayer(nn.Module):
@@ -86,10 +116,10 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, stream: AttnResStream, cache, pad_mask: torch.Tensor | None) -> None:
+    def forward(self, stream: AttnResStream, caches: list | None) -> None:
         stream.begin_layer(self.index)
         h = stream.mix(self.self_attention_res_norm, self.self_attention_res_proj)
-        stream.add(self.self_attn(self.input_layernorm(h), cache, pad_mask))
+        stream.add(self.self_attn(self.input_layernorm(h), caches))
         h = stream.mix(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(self.post_attention_layernorm(h)))
 
@@ -104,11 +134,10 @@ class KimiLinearModel(nn.Module):
         self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.output_attn_res_proj = ResProj(cfg.hidden_size, dtype)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: TrunkCache | None = None,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, cache: TrunkCache | None = None) -> torch.Tensor:
         stream = AttnResStream(inputs_embeds, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
-            layer(stream, cache.layers[i] if cache is not None else None, pad_mask)
+            layer(stream, cache.layer(i) if cache is not None else None)
         return self.norm(stream.mix(self.output_attn_res_norm, self.output_attn_res_proj))
 
 
@@ -133,19 +162,23 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {int(ids.min())}..{int(ids.max())}")
         return self.model.embed_tokens(ids)
 
+    def new_sequence(self, capacity: int = 0, latent_dtype: torch.dtype | None = None) -> SequenceCache:
+        """A fresh sequence's cache with room for `capacity` tokens (more grow it). latent_dtype
+        torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
+        return SequenceCache(self.cfg, capacity, latent_dtype)
+
     def new_cache(self, batch: int, latent_dtype: torch.dtype | None = None) -> TrunkCache:
-        """latent_dtype torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
-        return TrunkCache(self.cfg, batch, latent_dtype)
+        """A batch of `batch` fresh sequences."""
+        return TrunkCache([self.new_sequence(latent_dtype=latent_dtype) for _ in range(batch)])
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: TrunkCache | None = None, pad_mask: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                cache: TrunkCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits `[B, T, vocab]` (fp32), or `[B, vocab]` for the last position with last_only.
 
-        Exactly one of input_ids `[B, T]` / inputs_embeds `[B, T, hidden]`. With a cache the tokens
-        continue the cached sequences. pad_mask `[B, T]` marks left padding (batched prompts of
-        different lengths): padded positions change no state and are never attended.
+        Exactly one of input_ids `[B, T]` / inputs_embeds `[B, T, hidden]`. With a cache, row b's T
+        tokens continue sequence b of the cache (whatever its length; a prompt chunk or one decode
+        token), and every sequence's state is updated; without one, each row is a whole sequence.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -155,11 +188,9 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {tuple(x.shape)}")
         if cache is not None and cache.batch != x.shape[0]:
             raise ValueError(f"cache is for batch {cache.batch}, inputs have batch {x.shape[0]}")
-        if pad_mask is not None and pad_mask.shape != x.shape[:2]:
-            raise ValueError(f"pad_mask must be [B, T] = {list(x.shape[:2])}; got {list(pad_mask.shape)}")
-        h = self.model(x.to(self.dtype), cache, pad_mask)
-        if cache is not None:
-            cache.length += x.shape[1]
+        h = self.model(x.to(self.dtype), cache)
+        for sequence in cache.sequences if cache is not None else ():
+            sequence.length += x.shape[1]
         if last_only:
             h = h[:, -1]
         return self.lm_head(h).float()
