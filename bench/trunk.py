@@ -19,7 +19,6 @@ import time
 import torch
 
 from textcore.config import tiny
-from textcore.generate import SamplingParams, sample
 from textcore.kda import chunk_kda, l2_normalize, recurrent_kda
 from textcore.model import KimiLinearForCausalLM
 
@@ -67,10 +66,9 @@ def bench_decode(batch: int, tokens: int) -> None:
     t0 = time.perf_counter()
     logits = model(prompt, cache=cache, last_only=True)
     t_prefill = time.perf_counter() - t0
-    greedy = SamplingParams()
     t0 = time.perf_counter()
     for _ in range(tokens):
-        logits = model(sample(logits, greedy, None)[:, None], cache=cache, last_only=True)
+        logits = model(logits.argmax(-1)[:, None], cache=cache, last_only=True)
     t_decode = time.perf_counter() - t0
     print(f"tiny decode batch {batch}: prefill {PREFILL} tokens {t_prefill * 1e3:.0f} ms; "
           f"{tokens} steps {t_decode:.2f} s = {batch * tokens / t_decode:,.1f} tok/s "

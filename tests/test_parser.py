@@ -153,6 +153,9 @@ def test_stop_truncation_and_stray_tokens(tok):
     assert parser.finish()["content"] == "hi there" and parser.finish()["stopped"]
     with pytest.raises(RuntimeError):
         parser.feed([1])
+    kept = p.StreamParser(tok, thinking=False, skip_special_tokens=False)  # a stray special is text then
+    kept.feed(tok.encode("hi<|media_pad|> there<|close|>response<|sep|>", allow_special=True))
+    assert kept.finish()["content"] == "hi<|media_pad|> there"
 
     truncated = p.StreamParser(tok)
     truncated.feed(_call_ids(tok, ("a", "string", "complete"), ("b", "string", "cut off"))[:-14])
