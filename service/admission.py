@@ -3,6 +3,12 @@
 queue stands in front of a fixed number of work slots. A request over capacity is refused at once
 (`Overloaded`), never parked. The faces (`service.rpc`, `service.http`) only read this; the server
 (`service.server`) sets the state and the engine.
+
+A generation counts against the capacity (slots + queue: every admitted request, for overload and
+for the drain) but takes no work slot: the trunk's scheduler runs generations together, up to
+`--max-num-seqs` at once within the KV-cache budget, the others waiting in its queue. The slots
+(`--max-concurrency`) bound the image work of everything else: Preprocess, CountTokens, Embed,
+Encode, and the chat completions that only encode (vLLM's EC producer priming).
 """
 
 from __future__ import annotations
@@ -55,13 +61,19 @@ class Admission:
         return self.state == State.SERVING
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[Engine]:
+    async def admit(self, *, generation: bool = False) -> AsyncIterator[Engine]:
         refusal = _REFUSALS.get(self.state)
         if refusal is not None:
             raise Unavailable(refusal)
         if self.admitted >= self.capacity:
             raise Overloaded(f"server is at capacity ({self.capacity} requests admitted); retry with backoff")
         self.admitted += 1
+        if generation:
+            try:
+                yield self.engine
+            finally:
+                self.admitted -= 1
+            return
         self._metrics.queue_depth.inc()
         try:
             try:

@@ -5,7 +5,7 @@ but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses f
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,10 +32,28 @@ class Message(_Model):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Model):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
 class Choice(_Model):
     index: int
     message: Message
-    logprobs: dict[str, Any] | None
+    logprobs: ChoiceLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
@@ -64,7 +82,7 @@ class Delta(_Model):
 class ChunkChoice(_Model):
     index: int
     delta: Delta
-    logprobs: dict | None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"] | None
 
 

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from service import tracing
 from service.admission import Admission
 from service.auth import BearerToken, presented_token, refusal
-from service.engine import ChatInput, Engine, GenerationResult, SamplingParams
+from service.engine import ChatInput, Choice, Engine, GenerationResult, SamplingParams
 from service.errors import BadRequest, Failure, Kind, NotFound, TooLarge, failure_for
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
@@ -126,7 +126,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         try:
             body = await _json_body(request, config.max_body_bytes)
             chat_request = parse_chat_request(body)
-            engine = await stack.enter_async_context(admission.admit())
+            generation = not _encode_only(chat_request, config)
+            engine = await stack.enter_async_context(admission.admit(generation=generation))
             if not engine.serves(chat_request.model):
                 raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
                                f"{list(engine.served_model_names)}")
@@ -175,6 +176,11 @@ async def _json_body(request: Request, limit: int) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
+def _encode_only(request: ChatRequest, config: HttpConfig) -> bool:
+    """vLLM's proxy priming the encoder (`max_tokens` 1 in EC producer mode): answered without the trunk."""
+    return config.ec_producer and bool(request.images) and request.max_tokens == 1
+
+
 async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
     fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=config.allow_remote_images)
@@ -184,10 +190,10 @@ async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> d
     reply_id = new_id()
     if config.ec_producer and chat.images:
         encoding = await engine.encode(chat, export_dtype=EXPORT_DTYPE)
-        if request.max_tokens == 1:  # vLLM's proxy priming the encoder: the files are what it wanted
+        if _encode_only(request, config):  # vLLM's proxy priming the encoder: the files are what it wanted
             image_tokens = sum(e.num_tokens for e in encoding.embeddings)
             reply = Reply()
-            reply.add(GenerationResult("length", len(encoding.input_ids), image_tokens, 0))
+            reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), image_tokens, 0)))
             return completion(reply, model=model, request_id=reply_id)
     params = engine.sampling(request.max_tokens, **request.sampling)
     if not request.stream:
@@ -201,23 +207,23 @@ async def _answer(engine: Engine, request: ChatRequest, config: HttpConfig) -> d
 
 async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model: str, reply_id: str,
                   include_usage: bool) -> AsyncIterator[str]:
+    """Each choice's chunks as its items come: the role first (as OpenAI streams begin), its deltas
+    (with the logprobs of their tokens), its finish reason; then the usage of all, then [DONE]."""
     created = int(time.time())
     reply = Reply()
 
-    def sse(obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def sse(choices: list[dict[str, Any]], **usage: Any) -> str:
+        body = chunk(choices, model=model, request_id=reply_id, created=created, **usage)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async with contextlib.aclosing(engine.generate(chat, params)) as items:
-        started = False
         async for item in items:
-            delta = reply.add(item)
-            if not started:  # the first event: the role, as OpenAI streams begin
-                started = True
-                yield sse(chunk({"role": "assistant", "content": ""}, model=model, request_id=reply_id,
-                                created=created))
-            if delta is not None:
-                yield sse(chunk(delta, model=model, request_id=reply_id, created=created))
-    yield sse(chunk({}, model=model, request_id=reply_id, created=created, finish_reason=reply.finish_reason))
+            if item.index not in reply.choices:
+                yield sse([{"index": item.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}])
+            part = reply.add(item)
+            if part is not None:
+                yield sse([part])
     if include_usage:
-        yield sse(chunk(None, model=model, request_id=reply_id, created=created, usage=reply.usage()))
+        yield sse([], usage=reply.usage())
     yield "data: [DONE]\n\n"
