@@ -159,10 +159,10 @@ class Sampler:
             self._bias = (torch.tensor(ids, device=self.device), torch.tensor(values, device=self.device))
 
     @property
-    def plain_greedy(self) -> bool:
-        """Argmax of the logits as they come: nothing to process, nothing to report."""
+    def takes_argmax(self) -> bool:
+        """This step's token is the argmax of the logits as they come (greedy, nothing to process)."""
         p = self.params
-        return p.temperature == 0 and not (p.logprobs or p.min_tokens or p.logit_bias or p.penalised)
+        return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` `[vocab]` fp32 (blocked tokens already -inf) -> what the draw sees (a new tensor)."""
@@ -199,12 +199,6 @@ class Sampler:
             scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
         return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=self.generator))
 
-    def logprobs_of(self, logits: torch.Tensor, token_id: int) -> TokenLogprobs:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logprobs, self.params.top_logprobs) if self.params.top_logprobs else None
-        pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-        return TokenLogprobs(token_id, float(logprobs[token_id]), pairs)
-
     def take(self, token_id: int) -> str | None:
         """Record a sampled token; the finish reason if the sequence ends with it: "stop" (a stop
         token: not an output token) or "length" (the max_new_tokens-th output token)."""
@@ -219,21 +213,33 @@ class Sampler:
 def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler],
                  blocked: torch.Tensor | None = None) -> list[Sample]:
     """One token for each row of `logits` `[B, vocab]`, row b by `samplers[b]`. `blocked` (bool
-    `[vocab]`) marks tokens that are never sampled (nor reported among the most likely). Rows of
-    plain greedy samplers share one argmax; every other row is processed on its own."""
+    `[vocab]`) marks tokens that are never sampled (nor reported among the most likely). The rows
+    that take the plain argmax share one, those that report logprobs one log-softmax; every other
+    row is processed and drawn on its own."""
     logits = logits.float()
     if blocked is not None:
         logits = logits.masked_fill(blocked, float("-inf"))
-    plain = [b for b, s in enumerate(samplers) if s.plain_greedy]
-    out: list[Sample | None] = [None] * len(samplers)
+    tokens: list[int | None] = [None] * len(samplers)
+    plain = [b for b, s in enumerate(samplers) if s.takes_argmax]
     if plain:
         for b, token_id in zip(plain, logits[plain].argmax(-1).tolist(), strict=True):
-            out[b] = Sample(token_id, None)
+            tokens[b] = token_id
     for b, sampler in enumerate(samplers):
-        if out[b] is None:
-            token_id = sampler.draw(sampler.process(logits[b]))
-            out[b] = Sample(token_id, sampler.logprobs_of(logits[b], token_id) if sampler.params.logprobs else None)
-    return out
+        if tokens[b] is None:
+            tokens[b] = sampler.draw(sampler.process(logits[b]))
+    reported: dict[int, TokenLogprobs] = {}
+    wanted = [b for b, s in enumerate(samplers) if s.params.logprobs]
+    if wanted:
+        logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor([[tokens[b]] for b in wanted], device=logits.device))[:, 0].tolist()
+        k = max(samplers[b].params.top_logprobs for b in wanted)
+        top = torch.topk(logprobs, k) if k else None
+        for i, b in enumerate(wanted):
+            count = samplers[b].params.top_logprobs
+            pairs = () if not count else tuple(zip(top.indices[i, :count].tolist(), top.values[i, :count].tolist(),
+                                                   strict=True))
+            reported[b] = TokenLogprobs(tokens[b], chosen[i], pairs)
+    return [Sample(token_id, reported.get(b)) for b, token_id in enumerate(tokens)]
 
 
 def decode_step(model: KimiLinearForCausalLM, caches: Sequence[SequenceCache], tokens: Sequence[int]) -> torch.Tensor:

@@ -248,21 +248,21 @@ def _apply_quantization(model: nn.Module, quant: dict, prefix: str, ck) -> None:
     apply_quantization_config(model, effective, prefix)
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Deterministic weights in the ranges the trained model's tensors live in."""
+def init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Deterministic weights in the ranges the trained model's tensors live in, fp32, on the
+    generator's device."""
     leaf = name.rsplit(".", 2)[-2:]
+    device = gen.device
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(0.0, 2.5, generator=gen)  # exp(A_log) in [1, 12]
-    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias"):
-        return 0.5 * torch.randn(shape, generator=gen)
-    if "conv1d" in name:
-        return 0.5 * torch.randn(shape, generator=gen)
-    if "norm" in leaf[0]:
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
-    # linear weights [out, in] and the AttnRes score vectors [1, hidden]
-    return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+        return torch.empty(shape, device=device).uniform_(0.0, 2.5, generator=gen)  # exp(A_log) in [1, 12]
+    scale = 1.0
+    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias") or "conv1d" in name:
+        scale = 0.5
+    elif "norm" in leaf[0]:
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    elif not name.endswith("embed_tokens.weight"):  # linear weights [out, in], the AttnRes score vectors [1, hidden]
+        scale = shape[-1] ** -0.5
+    return torch.randn(shape, generator=gen, device=device) * scale
 
 
 def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -274,7 +274,7 @@ def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bf
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in sorted(model.state_dict().items()):
-        value = _init_tensor(name, tuple(t.shape), gen)
+        value = init_tensor(name, tuple(t.shape), gen)
         if name.endswith("A_log"):
             value[cfg.kda_num_heads:] = 0  # the published layout's padding
         out[prefix + name] = value.to(t.dtype)
