@@ -13,6 +13,7 @@ from textcore.config import TextConfig, k3, tiny
 from textcore.kda import RMSNorm
 from textcore.model import KimiLinearForCausalLM, ResProj, TrunkCache, random_weights
 from textcore.moe import Expert, LatentMoE, Router, situ
+from textcore.segments import Segments
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 
 SEED = 3
@@ -82,6 +83,21 @@ def test_sequences_of_different_lengths_decode_together(model, ids, full_logits)
     torch.testing.assert_close(a[0], full_logits[1, 6], atol=1e-4, rtol=0)
 
 
+def test_one_step_runs_decode_tokens_and_prompt_chunks_of_several_sequences(model, ids, full_logits):
+    """`step`: a decode token of one sequence, a prompt chunk of another and the first chunk of a
+    third (ids and embeddings mixed) in one forward; each gets the logits of its sequence alone."""
+    decoding, chunked, fresh = model.new_sequence(), model.new_sequence(), model.new_sequence()
+    model(ids[:1, :6], cache=TrunkCache([decoding]))
+    model(ids[1:, :3], cache=TrunkCache([chunked]))
+    out = model.step([ids[0, 6:7], model.embed_tokens(ids[1, 3:9]), ids[1, :5]], TrunkCache([decoding, chunked, fresh]))
+    torch.testing.assert_close(out[0], full_logits[0, 6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], full_logits[1, 8], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2], full_logits[1, 4], atol=1e-4, rtol=0)
+    assert (decoding.length, chunked.length, fresh.length) == (7, 9, 5)
+    out = model.step([ids[0, 7:8], ids[1, 9:10], ids[1, 5:6]], TrunkCache([decoding, chunked, fresh]))  # all decode
+    torch.testing.assert_close(out, full_logits[[0, 1, 1], [7, 9, 5]], atol=1e-4, rtol=0)
+
+
 def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(monkeypatch):
     """The expanded MLA prefill, query block by query block through SDPA, equals the scores
     written out in full ([H, T, S] in fp32, the formula of the module docstring), with and without
@@ -102,12 +118,15 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         attn = torch.einsum("bhts,bshv->bthv", probs, v) * torch.sigmoid(layer.g_proj(x)).view(1, T, H, -1)
         return layer.o_proj(attn.reshape(1, T, -1))
 
+    def run(part, cache):
+        return layer(part, Segments([part.shape[1]], cache is not None, "cpu"), cache and [cache])
+
     with torch.no_grad():
         expected = materialised(x)
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(run(x, None), expected, atol=1e-5, rtol=1e-5)
         monkeypatch.setattr(mla, "QUERY_CHUNK", 64)
         cache = mla.MLACache()
-        chunks = [layer(x[:, :130], [cache]), layer(x[:, 130:131], [cache]), layer(x[:, 131:], [cache])]
+        chunks = [run(x[:, :130], cache), run(x[:, 130:131], cache), run(x[:, 131:], cache)]
         torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -123,9 +142,13 @@ def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, mo
     assert sum("no KV cache scales" in r.message for r in caplog.records) == 1
     layer = model.model.layers[2].self_attn
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2))
-    exact = layer(x)
+    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], False, "cpu")).view(2, 9, 64)
     entry = cache.layer(2)
-    steps = [layer(x[:, :4], entry)] + [layer(x[:, t:t + 1], entry) for t in range(4, 9)]
+
+    def run(part):  # the two sequences' new tokens end to end, as the model lays them
+        return layer(part.reshape(1, -1, 64), Segments([part.shape[1]] * 2, True, "cpu"), entry).view(2, -1, 64)
+
+    steps = [run(x[:, :4])] + [run(x[:, t:t + 1]) for t in range(4, 9)]
     err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
     assert entry[0].buffer.dtype == torch.float8_e4m3fn
     assert 0 < err <= 0.05

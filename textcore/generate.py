@@ -244,8 +244,8 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler],
 
 def decode_step(model: KimiLinearForCausalLM, caches: Sequence[SequenceCache], tokens: Sequence[int]) -> torch.Tensor:
     """One batched forward: `tokens[b]` continues `caches[b]`; the next-token logits `[B, vocab]`."""
-    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)[:, None]
-    return model(input_ids=ids, cache=TrunkCache(list(caches)), last_only=True)
+    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
+    return model.step(list(ids[:, None]), TrunkCache(list(caches)))
 
 
 @dataclass

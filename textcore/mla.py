@@ -13,8 +13,8 @@ CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cache
 of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
 context: no `[H, T, S]` scores, no `[T, S]` mask. A decode step (T == 1) uses the absorbed
 form: q_nope is folded through kv_b's key half into latent space and the latent output through its
-value half, so nothing is expanded; a batch of sequences of different lengths attends over its
-longest one, each row masked to its own length.
+value half, so nothing is expanded; the decode tokens of a batch's sequences (`textcore.segments`)
+attend together over the longest one's latents, each row masked to its own length.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from textcore.kda import RMSNorm, linear
+from textcore.segments import Segments
 
 log = logging.getLogger(__name__)
 
@@ -122,34 +123,39 @@ class GatedMLA(nn.Module):
         self.g_proj = lin(hidden, H * cfg.v_head_dim)  # sigmoid output gate
         self.o_proj = lin(H * cfg.v_head_dim, hidden)
 
-    def forward(self, x: torch.Tensor, caches: list[MLACache] | None = None) -> torch.Tensor:
-        """x `[B, T, hidden]`: T new tokens of each of B sequences, which continue `caches` (one per
-        sequence, appended to) or, without caches, are whole sequences."""
-        B, T, _ = x.shape
-        H = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
+    def forward(self, x: torch.Tensor, segments: Segments, caches: list[MLACache] | None = None) -> torch.Tensor:
+        """x `[1, N, hidden]`: the new tokens of `segments`' sequences end to end, which continue
+        `caches` (one per sequence, appended to) or, without caches, are whole sequences."""
+        H, N = self.num_heads, x.shape[1]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(1, N, H, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
-        if caches is None:
-            starts = [0] * B
-        else:
-            starts = [cache.length for cache in caches]
-            for cache, rows in zip(caches, latent, strict=True):
-                cache.append(rows)
-            latent = _stack_right_padded([cache.latents(x.dtype) for cache in caches])
-        # query t of sequence b sits at position starts[b] + t and sees the keys at positions <= its own
-        starts_t = torch.tensor(starts, device=x.device)
+        latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)[0]  # [N, dims]
         w_kv = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
-        if T == 1 and caches is not None:
-            attn = self._absorbed(q_nope, q_rope, latent, starts_t, w_kv)
-        else:
-            attn = self._expanded(q_nope, q_rope, latent, starts, starts_t)
-        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, self.v_dim)
-        return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim).to(x.dtype))
+        attn = x.new_empty(1, N, H, self.v_dim, dtype=torch.float32)
+        if segments.singles:
+            at = segments.single_positions
+            mine = [caches[b] for b in segments.singles]
+            starts = torch.tensor([cache.length for cache in mine], device=x.device)
+            for cache, row in zip(mine, latent[at], strict=True):
+                cache.append(row[None])
+            keys = _stack_right_padded([cache.latents(x.dtype) for cache in mine])
+            attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, starts, w_kv)[:, 0]
+        for b in segments.others:
+            span = segments.span(b)
+            start = 0
+            keys = latent[span]
+            if caches is not None:
+                start = caches[b].length
+                caches[b].append(keys)
+                keys = caches[b].latents(x.dtype)
+            attn[:, span] = self._expanded(q_nope[:, span], q_rope[:, span], keys[None], start)
+        gate = torch.sigmoid(self.g_proj(x).float()).view(1, N, H, self.v_dim)
+        return self.o_proj((attn * gate).reshape(1, N, H * self.v_dim).to(x.dtype))
 
     def _absorbed(self, q_nope, q_rope, latent, starts, w_kv) -> torch.Tensor:
-        """One new token per sequence, in latent space: `[B, 1, H, v]`."""
+        """One new token per sequence (row b at position starts[b]), in latent space: `[B, 1, H, v]`;
+        each row sees its own keys only (latent is right-padded to the longest)."""
         c_all, k_rot_all = latent.float().split([self.kv_lora_rank, self.rope], dim=-1)
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope.float(), w_kv[:, :self.nope].float())
         scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all)
@@ -159,31 +165,31 @@ class GatedMLA(nn.Module):
         o_lat = torch.einsum("bhts,bsc->bthc", torch.softmax(scores, dim=-1), c_all)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_kv[:, self.nope:].float())
 
-    def _expanded(self, q_nope, q_rope, latent, starts, starts_t) -> torch.Tensor:
-        """T tokens per sequence through SDPA: `[B, T, H, v]`. Whole sequences (no cached prefix) in
-        one causal call; a chunk after a prefix QUERY_CHUNK queries at a time, each block with its
-        own `[block, S]` mask (SDPA's `is_causal` aligns the diagonal to the first key, not the last).
+    def _expanded(self, q_nope, q_rope, latent, start: int) -> torch.Tensor:
+        """One sequence's T tokens (positions start .. start + T) through SDPA: `[1, T, H, v]`. A
+        whole sequence (start 0) in one causal call; a chunk after a prefix QUERY_CHUNK queries at a
+        time, each block with its own `[block, S]` mask (SDPA's `is_causal` aligns the diagonal to
+        the first key, not the last).
 
         The value is zero-padded to the query/key width: the CPU flash kernel (and CUDA's) takes
         one head size for q, k and v, and otherwise falls back to the kernel that builds the scores."""
-        B, T, H = q_nope.shape[:3]
+        _, T, H = q_nope.shape[:3]
         S = latent.shape[1]
         c_all, k_rot_all = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(c_all).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k_nope, v = self.kv_b_proj(c_all).view(1, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         width = self.nope + self.rope
-        q = torch.cat([q_nope, q_rope], dim=-1).float().transpose(1, 2)  # [B, H, T, width]
-        k = torch.cat([k_nope, k_rot_all[:, :, None].expand(B, S, H, self.rope)], dim=-1).float().transpose(1, 2)
+        q = torch.cat([q_nope, q_rope], dim=-1).float().transpose(1, 2)  # [1, H, T, width]
+        k = torch.cat([k_nope, k_rot_all[:, :, None].expand(1, S, H, self.rope)], dim=-1).float().transpose(1, 2)
         v = F.pad(v.float(), (0, width - self.v_dim)).transpose(1, 2)
-        if not any(starts):
+        if start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            out = q.new_empty(B, H, T, width)
+            out = q.new_empty(1, H, T, width)
             key_pos = torch.arange(S, device=q.device)
             for first in range(0, T, QUERY_CHUNK):
                 last = min(T, first + QUERY_CHUNK)
-                seen = max(starts) + last  # no query of this block sees a key beyond this one
-                q_pos = starts_t[:, None] + torch.arange(first, last, device=q.device)[None]  # [B, block]
-                mask = key_pos[None, None, :seen] <= q_pos[:, :, None]  # [B, block, seen]
+                seen = start + last  # no query of this block sees a key beyond this one
+                mask = key_pos[None, :seen] <= torch.arange(start + first, seen, device=q.device)[:, None]
                 out[:, :, first:last] = F.scaled_dot_product_attention(
-                    q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask[:, None], scale=self.scale)
+                    q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
         return out[..., :self.v_dim].transpose(1, 2)

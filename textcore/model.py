@@ -24,6 +24,8 @@ layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -33,6 +35,7 @@ from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
 from textcore.mla import GatedMLA, MLACache
 from textcore.moe import LatentMoE, SiTUMLP
 from textcore.mxfp4 import apply_quantization_config
+from textcore.segments import Segments
 from vision.checkpoint import Checkpoint, CheckpointError
 
 MULTIMODAL_PREFIX = "language_model."
@@ -116,10 +119,10 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, stream: AttnResStream, caches: list | None) -> None:
+    def forward(self, stream: AttnResStream, segments: Segments, caches: list | None) -> None:
         stream.begin_layer(self.index)
         h = stream.mix(self.self_attention_res_norm, self.self_attention_res_proj)
-        stream.add(self.self_attn(self.input_layernorm(h), caches))
+        stream.add(self.self_attn(self.input_layernorm(h), segments, caches))
         h = stream.mix(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(self.post_attention_layernorm(h)))
 
@@ -134,10 +137,11 @@ class KimiLinearModel(nn.Module):
         self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.output_attn_res_proj = ResProj(cfg.hidden_size, dtype)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: TrunkCache | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, segments: Segments, cache: TrunkCache | None = None) -> torch.Tensor:
+        """`inputs_embeds` `[1, N, hidden]`: the new tokens of `segments`' sequences end to end."""
         stream = AttnResStream(inputs_embeds, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
-            layer(stream, cache.layer(i) if cache is not None else None)
+            layer(stream, segments, cache.layer(i) if cache is not None else None)
         return self.norm(stream.mix(self.output_attn_res_norm, self.output_attn_res_proj))
 
 
@@ -188,12 +192,34 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {tuple(x.shape)}")
         if cache is not None and cache.batch != x.shape[0]:
             raise ValueError(f"cache is for batch {cache.batch}, inputs have batch {x.shape[0]}")
-        h = self.model(x.to(self.dtype), cache)
+        B, T, hidden = x.shape
+        segments = Segments([T] * B, cache is not None, x.device)
+        h = self.model(x.to(self.dtype).reshape(1, B * T, hidden), segments, cache).view(B, T, hidden)
         for sequence in cache.sequences if cache is not None else ():
-            sequence.length += x.shape[1]
+            sequence.length += T
         if last_only:
             h = h[:, -1]
         return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def step(self, chunks: Sequence[torch.Tensor], cache: TrunkCache) -> torch.Tensor:
+        """One forward over sequences of different lengths: `chunks[b]`, token ids `[T_b]` or
+        embeddings `[T_b, hidden]`, continues `cache.sequences[b]` (a decode token, a prompt chunk).
+        All their tokens run through the per-token layers together; the next-token logits at each
+        chunk's last token, `[B, vocab]` (fp32)."""
+        if len(chunks) != cache.batch:
+            raise ValueError(f"{len(chunks)} chunks for a cache of {cache.batch} sequences")
+        ids = [b for b, chunk in enumerate(chunks) if chunk.dim() == 1]
+        rows = list(chunks)
+        if ids:  # one embedding lookup for every chunk of ids
+            looked_up = self.embed_tokens(torch.cat([chunks[b] for b in ids]).to(self.device))
+            for b, part in zip(ids, looked_up.split([len(chunks[b]) for b in ids]), strict=True):
+                rows[b] = part
+        segments = Segments([len(r) for r in rows], True, self.device)
+        h = self.model(torch.cat([r.to(self.device, self.dtype) for r in rows])[None], segments, cache)
+        for sequence, n in zip(cache.sequences, segments.lengths, strict=True):
+            sequence.length += n
+        return self.lm_head(h[0, segments.last_positions()]).float()
 
     # ---- checkpoints ----
     @classmethod

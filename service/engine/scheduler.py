@@ -6,11 +6,12 @@ One thread owns the trunk and runs engine steps. Each step:
 2. admits waiting generations in arrival order while each one's worst-case cache (n sequences of
    prompt + max_new_tokens tokens, `SequenceCache.worst_case_bytes`) fits the KV budget and the
    batch stays within `max_num_seqs`; the first that does not fit waits, and so do those behind it;
-3. decodes every running sequence by one token in one batched forward (the routed experts see all
-   of their tokens in one MoE call);
-4. spends the rest of the step's `max_num_batched_tokens` on prefill chunks of admitted prompts,
-   oldest first, so a long prompt never stalls the running streams for its whole prefill. A prompt
-   whose last chunk is in is forked into its n sequences, which sample their first token and run.
+3. runs one forward (`KimiLinearForCausalLM.step`): a token of every running sequence, and prefill
+   chunks of the admitted prompts, oldest first, in the rest of the step's `max_num_batched_tokens`,
+   so a long prompt never stalls the running streams for its whole prefill. All of the step's
+   tokens go through the per-token layers together (the routed experts see them in one MoE call).
+   The running sequences sample their next token; a prompt whose last chunk is in is forked into
+   its n sequences, which sample their first token and run from the next step.
 
 Each sequence has its own cache, sampler (seeded `seed + index`), output parser and stop strings,
 so batching changes no sequence's tokens. What a sequence produces goes back to its caller as
@@ -30,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, decode_step, sample_batch
+from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
 from textcore.parser import Event, StreamParser
 from textcore.splice import Span, splice_rows
@@ -286,11 +287,50 @@ class Scheduler:
     def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
-        tokens = self._decode()
-        budget = self.max_num_batched_tokens - tokens
-        while budget > 0 and self._prefilling:
-            budget -= self._prefill_chunk(self._prefilling[0], budget)
+        batch = self._running
+        budget = self.max_num_batched_tokens - len(batch)
+        chunks: list[tuple[_Prefill, int]] = []
+        for prefill in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, len(prefill.job.prompt.ids) - prefill.done)
+            chunks.append((prefill, take))
+            budget -= take
+        self.last_batch = len(batch)
+        if batch or chunks:
+            self._forward(batch, chunks)
         self._report()
+
+    def _forward(self, batch: list[_Sequence], chunks: list[tuple[_Prefill, int]]) -> None:
+        """One forward of the step: a token for every running sequence and the prompt chunks; the
+        running ones sample their next token, a prompt whose last chunk this was starts."""
+        inputs = [torch.tensor([s.last], device=self.model.device) for s in batch]
+        inputs += [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks]
+        caches = [s.cache for s in batch] + [prefill.cache for prefill, _ in chunks]
+        try:
+            logits = self.model.step(inputs, TrunkCache(caches))
+            samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch], self._blocked)
+        except Exception as exc:  # noqa: BLE001 - the step's jobs fail; the scheduler goes on
+            log.exception("trunk step failed")
+            for sequence in batch:
+                sequence.job.end(exc)
+                self._finish(sequence)
+            for prefill, _ in chunks:
+                self._prefilling.remove(prefill)
+                self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+                prefill.job.end(exc)
+            self._running = [s for s in self._running if not s.finished]
+            return
+        for sequence, sample in zip(batch, samples, strict=True):
+            sequence.accept(sample)
+            if sequence.finished:
+                self._finish(sequence)
+        self._running = [s for s in batch if not s.finished]
+        for (prefill, take), row in zip(chunks, logits[len(batch):], strict=True):
+            prefill.done += take
+            if prefill.done == len(prefill.job.prompt.ids):
+                self._prefilling.remove(prefill)
+                self._start(prefill, row[None])
 
     def _drop_cancelled(self) -> None:
         for sequence in self._running:
@@ -320,48 +360,6 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this job's input (e.g. an id outside the vocabulary)
                 self.reserved_bytes -= need
                 job.end(exc)
-
-    def _decode(self) -> int:
-        """One token for every running sequence; returns how many tokens the step spent."""
-        batch = self._running
-        self.last_batch = len(batch)
-        if not batch:
-            return 0
-        try:
-            logits = decode_step(self.model, [s.cache for s in batch], [s.last for s in batch])
-            samples = sample_batch(logits, [s.sampler for s in batch], self._blocked)
-            for sequence, sample in zip(batch, samples, strict=True):
-                sequence.accept(sample)
-        except Exception as exc:  # noqa: BLE001 - the batch's jobs fail; prefilling ones go on
-            log.exception("decode step failed")
-            for sequence in batch:
-                sequence.job.end(exc)
-                sequence.finished = True
-        for sequence in batch:
-            if sequence.finished:
-                self._finish(sequence)
-        self._running = [s for s in batch if not s.finished]
-        return len(batch)
-
-    def _prefill_chunk(self, prefill: _Prefill, budget: int) -> int:
-        """The next chunk of the oldest prompt (at most `budget` tokens); the tokens spent."""
-        job = prefill.job
-        total = len(job.prompt.ids)
-        take = min(budget, total - prefill.done)
-        try:
-            chunk = prefill.embeds[prefill.done:prefill.done + take][None]
-            logits = self.model(inputs_embeds=chunk, cache=TrunkCache([prefill.cache]), last_only=True)
-        except Exception as exc:  # noqa: BLE001 - this job fails, the others go on
-            log.exception("prefill failed")
-            self._prefilling.remove(prefill)
-            self.reserved_bytes -= job.params.n * job.sequence_bytes
-            job.end(exc)
-            return take
-        prefill.done += take
-        if prefill.done == total:
-            self._prefilling.remove(prefill)
-            self._start(prefill, logits)
-        return take
 
     def _start(self, prefill: _Prefill, logits: torch.Tensor) -> None:
         """The prompt is in: fork its cache into the job's n sequences, each samples its first token."""
