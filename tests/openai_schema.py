@@ -1,7 +1,10 @@
 """Pydantic models of the OpenAI chat-completions objects, written from the public API reference
 (https://platform.openai.com/docs/api-reference/chat/object, .../chat/streaming): what the HTTP face
 sends and what a batch row's body holds. Strict: a field the reference does not name is an error,
-but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it."""
+but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it. The logprobs
+objects (`ChoiceLogprobs`, `TokenLogprob`, `TopLogprob`) follow the openai SDK's
+`ChoiceLogprobs` and `chat_completion_token_logprob.py` field for field, stricter (every field
+present)."""
 
 from __future__ import annotations
 
