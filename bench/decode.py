@@ -27,7 +27,7 @@ import torch
 
 from textcore import mxfp4
 from textcore.config import TextConfig, k3, tiny
-from textcore.generate import Sampler, SamplingParams, decode_step, sample_batch
+from textcore.generate import Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
 from textcore.model import KimiLinearForCausalLM, TrunkCache, init_tensor
 from textcore.moe import LatentMoE
 
@@ -77,7 +77,8 @@ def decode_rate(model: KimiLinearForCausalLM, batch: int, steps: int, device: to
     gen = torch.Generator().manual_seed(batch)
     caches, tokens = [], []
     greedy = SamplingParams(max_new_tokens=steps + 3, ignore_eos=True)
-    samplers = [Sampler(greedy, model.cfg.vocab_size, device) for _ in range(batch)]
+    space = TokenSpace(model.cfg.vocab_size)
+    samplers = [Sampler(greedy, space, device) for _ in range(batch)]
     for i in range(batch):
         length = PROMPT + SPREAD * i
         prompt = torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen).to(device)
@@ -85,11 +86,11 @@ def decode_rate(model: KimiLinearForCausalLM, batch: int, steps: int, device: to
         logits = model(prompt, cache=TrunkCache([caches[-1]]), last_only=True)
         tokens.append(sample_batch(logits, samplers[i:i + 1])[0].token_id)
     for _ in range(2):  # warm up (kernel choice, allocator)
-        tokens = [s.token_id for s in sample_batch(decode_step(model, caches, tokens), samplers)]
+        tokens = [s.token_id for s in sample_batch(decode_step(model, caches, tokens, space), samplers)]
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        tokens = [s.token_id for s in sample_batch(decode_step(model, caches, tokens), samplers)]
+        tokens = [s.token_id for s in sample_batch(decode_step(model, caches, tokens, space), samplers)]
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     return seconds, batch / seconds

@@ -12,6 +12,7 @@ from textcore.generate import (
     Sampler,
     SamplingError,
     SamplingParams,
+    TokenSpace,
     decode_step,
     generate,
     sample_batch,
@@ -20,6 +21,7 @@ from textcore.model import KimiLinearForCausalLM, TrunkCache
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 VOCAB = tiny().vocab_size
+SPACE = TokenSpace(VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def _decode(model, prompts, steps, samplers):
             tokens[row].append(sample.token_id)
             seen[row].append(logits[row])
             samplers[row].take(sample.token_id)
-        logits = decode_step(model, caches, [t[-1] for t in tokens])
+        logits = decode_step(model, caches, [t[-1] for t in tokens], SPACE)
     return tokens, seen
 
 
@@ -71,8 +73,8 @@ def test_batched_decoding_equals_each_sequence_alone(model):
     seeded = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
 
     def samplers():
-        return [Sampler(greedy, VOCAB), Sampler(seeded, VOCAB, seed=3), Sampler(greedy, VOCAB),
-                Sampler(seeded, VOCAB, seed=4)]
+        return [Sampler(greedy, SPACE), Sampler(seeded, SPACE, seed=3), Sampler(greedy, SPACE),
+                Sampler(seeded, SPACE, seed=4)]
 
     batched_tokens, batched_logits = _decode(model, MANY, 6, samplers())
     for row, prompt in enumerate(MANY):
@@ -136,7 +138,7 @@ def test_penalties_follow_vllm_formulas():
     """repetition over prompt and output tokens (divide positive logits, multiply negative ones),
     then frequency (times the count) and presence (once) over output tokens only."""
     params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
-    sampler = Sampler(params, 8, prompt_ids=[1, 2])
+    sampler = Sampler(params, TokenSpace(8), prompt_ids=[1, 2])
     for token in (2, 3, 3):
         sampler.take(token)
     logits = torch.tensor([1.0, 2.0, -2.0, 3.0, -1.0, 0.5, 0.0, 4.0])
@@ -148,7 +150,7 @@ def test_penalties_follow_vllm_formulas():
     torch.testing.assert_close(sampler.process(logits), expected)
     assert sampler.tokens == [2, 3, 3]
     # and with presence_penalty alone, a token already generated loses to an unseen one
-    alone = Sampler(SamplingParams(presence_penalty=2.0), 4)
+    alone = Sampler(SamplingParams(presence_penalty=2.0), TokenSpace(4))
     alone.take(1)
     assert sample_batch(torch.tensor([[0.0, 1.0, 0.5, 0.0]]), [alone])[0].token_id == 2
 
@@ -173,7 +175,7 @@ def test_sampling_is_seeded_and_filters():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.9]])
 
     def draws(params, seeds):
-        return {sample_batch(logits, [Sampler(params, 5, seed=s)])[0].token_id for s in seeds}
+        return {sample_batch(logits, [Sampler(params, TokenSpace(5), seed=s)])[0].token_id for s in seeds}
 
     assert draws(SamplingParams(temperature=1.0), [1]) == draws(SamplingParams(temperature=1.0), [1])
     assert draws(SamplingParams(temperature=1.0, top_k=1), range(10)) == {3}
@@ -247,7 +249,8 @@ def test_allowed_ids_restrict_what_is_sampled(model):
                    SamplingParams(max_new_tokens=6, logprobs=True, top_logprobs=5)):
         (out,) = generate(model, input_ids=[[1, 2, 3]], params=params, allowed_ids=allowed)
         assert out.tokens and set(out.tokens) <= {5, 17, 300}
-        for entry in out.logprobs:  # blocked tokens are never among the most likely either
-            assert {i for i, lp in entry.top if lp > -math.inf} <= {5, 17, 300}
+        for entry in out.logprobs:  # blocked ids are never listed: 3 of the 5 asked for, most likely first
+            assert sorted(i for i, _ in entry.top) == [5, 17, 300]
+            assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
     with pytest.raises(ValueError, match="allowed_ids must be a bool mask"):
         generate(model, input_ids=[[1]], allowed_ids=torch.ones(7, dtype=torch.bool))

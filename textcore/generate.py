@@ -5,13 +5,13 @@ Every sequence keeps its own cache (`textcore.model.SequenceCache`) and its own 
 parameters, its generator, what it has generated), so sequences of any lengths decode together in
 one forward per step and each gets the tokens it would get alone, a seeded one included. The
 service's scheduler (`service.engine.scheduler`) and `generate` below are built from the same parts:
-`Sampler`, `sample_batch` and `decode_step`.
+`TokenSpace`, `Sampler`, `sample_batch` and `decode_step`.
 
-From a sequence's logits to its next token, in vLLM's order: the tokens that cannot be sampled
-masked (`blocked`); the raw log-probabilities taken here (`logprobs`); `min_tokens` (the stop
-tokens masked until that many tokens exist); `logit_bias` (added); the penalties (repetition over
-prompt and output tokens, then frequency and presence over output tokens); then greedy argmax, or
-temperature, top-k, top-p and a draw from the sequence's own generator.
+From a sequence's logits to its next token, in vLLM's order: logits only for the ids that can be
+sampled (`TokenSpace`), the raw log-probabilities taken from them (`logprobs`); `min_tokens` (the
+stop tokens masked until that many tokens exist); `logit_bias` (added); the penalties (repetition
+over prompt and output tokens, then frequency and presence over output tokens); then greedy argmax,
+or temperature, top-k, top-p and a draw from the sequence's own generator.
 """
 
 from __future__ import annotations
@@ -134,29 +134,61 @@ class Sample:
     logprobs: TokenLogprobs | None
 
 
+class TokenSpace:
+    """The token ids sampling chooses among, which are the columns of the logits it is given: every
+    id of the head, or only those a tokenizer can decode (`allowed`, when its vocabulary is smaller
+    than the head: the tiny checkpoint's few hundred of 163,840). Logits are computed for these ids
+    only (`KimiLinearForCausalLM.step`'s `head_ids`), so an id outside is never sampled nor listed."""
+
+    def __init__(self, vocab_size: int, allowed: torch.Tensor | None = None, device: torch.device | str = "cpu"):
+        if allowed is not None and tuple(allowed.shape) != (vocab_size,):
+            raise ValueError(f"allowed_ids must be a bool mask of shape [{vocab_size}], got {list(allowed.shape)}")
+        self.vocab_size = vocab_size
+        everything = allowed is None or bool(allowed.all())
+        self.ids = None if everything else allowed.to(torch.bool).nonzero()[:, 0].to(device)  # column -> id
+        self._ids = None if self.ids is None else self.ids.tolist()
+        self._column = None if self._ids is None else {token_id: c for c, token_id in enumerate(self._ids)}
+        self.size = vocab_size if self._ids is None else len(self._ids)
+
+    def columns(self, ids: Sequence[int]) -> list[int]:
+        """The columns of those of `ids` that are in the space."""
+        if self._column is None:
+            return list(ids)
+        return [self._column[i] for i in ids if i in self._column]
+
+    def token(self, column: int) -> int:
+        return column if self._ids is None else self._ids[column]
+
+
 class Sampler:
     """One sequence's logits processing and draws: its parameters, its own generator (seeded, or
-    from the OS), its output tokens so far (`tokens`, for the penalties and `min_tokens`)."""
+    from the OS), its output tokens so far (`tokens`, for the penalties and `min_tokens`). It works
+    on the columns of a `TokenSpace`."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu", *,
+    def __init__(self, params: SamplingParams, space: TokenSpace, device: torch.device | str = "cpu", *,
                  prompt_ids: Sequence[int] = (), seed: int | None = None):
-        params.check_vocab(vocab_size)
+        params.check_vocab(space.vocab_size)
         self.params = params
+        self.space = space
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {END_OF_MSG})
         # min_tokens holds back every stop token, <|end_of_msg|> too (as vLLM does even with ignore_eos)
-        self._held_back = torch.tensor(sorted({*params.stop_token_ids, END_OF_MSG}), device=self.device)
+        self._held_back = self._columns(sorted({*params.stop_token_ids, END_OF_MSG}))
         self.tokens: list[int] = []
-        self._counts = torch.zeros(vocab_size, device=self.device) if params.penalised else None
+        self._counts = torch.zeros(space.size, device=self.device) if params.penalised else None
         self._in_prompt = None
         if params.repetition_penalty != 1:
-            self._in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
-            self._in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)] = True
+            self._in_prompt = torch.zeros(space.size, dtype=torch.bool, device=self.device)
+            self._in_prompt[self._columns(prompt_ids)] = True
         self._bias = None
-        if params.logit_bias:
-            ids, values = zip(*sorted(params.logit_bias.items()), strict=True)
-            self._bias = (torch.tensor(ids, device=self.device), torch.tensor(values, device=self.device))
+        biased = [(i, b) for i, b in sorted(params.logit_bias.items()) if space.columns([i])]
+        if biased:  # a bias on an id outside the space changes nothing: it is never sampled
+            self._bias = (self._columns([i for i, _ in biased]),
+                          torch.tensor([b for _, b in biased], device=self.device))
+
+    def _columns(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(self.space.columns(ids), dtype=torch.long, device=self.device)
 
     @property
     def takes_argmax(self) -> bool:
@@ -165,7 +197,7 @@ class Sampler:
         return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` `[vocab]` fp32 (blocked tokens already -inf) -> what the draw sees (a new tensor)."""
+        """`logits` `[space.size]` fp32 -> what the draw sees (a new tensor)."""
         p = self.params
         out = logits.clone()
         if len(self.tokens) < p.min_tokens:
@@ -181,8 +213,8 @@ class Sampler:
         return out
 
     def draw(self, logits: torch.Tensor) -> int:
-        """A token from processed `logits` `[vocab]`: argmax at temperature 0, else top-k, then top-p,
-        then a draw from this sequence's generator."""
+        """A column from processed `logits`: argmax at temperature 0, else top-k, then top-p, then a
+        draw from this sequence's generator."""
         p = self.params
         if p.temperature == 0:
             return int(logits.argmax())
@@ -206,46 +238,45 @@ class Sampler:
             return "stop"
         self.tokens.append(token_id)
         if self._counts is not None:
-            self._counts[token_id] += 1
+            self._counts[self.space.columns([token_id])] += 1
         return "length" if len(self.tokens) >= self.params.max_new_tokens else None
 
 
-def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler],
-                 blocked: torch.Tensor | None = None) -> list[Sample]:
-    """One token for each row of `logits` `[B, vocab]`, row b by `samplers[b]`. `blocked` (bool
-    `[vocab]`) marks tokens that are never sampled (nor reported among the most likely). The rows
-    that take the plain argmax share one, those that report logprobs one log-softmax; every other
-    row is processed and drawn on its own."""
+def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[Sample]:
+    """One token for each row of `logits` `[B, space.size]` (the samplers' `TokenSpace`), row b by
+    `samplers[b]`. The rows that take the plain argmax share one, those that report logprobs one
+    log-softmax; every other row is processed and drawn on its own."""
     logits = logits.float()
-    if blocked is not None:
-        logits = logits.masked_fill(blocked, float("-inf"))
-    tokens: list[int | None] = [None] * len(samplers)
+    columns: list[int | None] = [None] * len(samplers)
     plain = [b for b, s in enumerate(samplers) if s.takes_argmax]
     if plain:
-        for b, token_id in zip(plain, logits[plain].argmax(-1).tolist(), strict=True):
-            tokens[b] = token_id
+        for b, column in zip(plain, logits[plain].argmax(-1).tolist(), strict=True):
+            columns[b] = column
     for b, sampler in enumerate(samplers):
-        if tokens[b] is None:
-            tokens[b] = sampler.draw(sampler.process(logits[b]))
+        if columns[b] is None:
+            columns[b] = sampler.draw(sampler.process(logits[b]))
+    tokens = [sampler.space.token(c) for sampler, c in zip(samplers, columns, strict=True)]
     reported: dict[int, TokenLogprobs] = {}
     wanted = [b for b, s in enumerate(samplers) if s.params.logprobs]
     if wanted:
         logprobs = torch.log_softmax(logits[wanted], dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([[tokens[b]] for b in wanted], device=logits.device))[:, 0].tolist()
-        k = max(samplers[b].params.top_logprobs for b in wanted)
+        picked = torch.tensor([[columns[b]] for b in wanted], device=logits.device)
+        chosen = logprobs.gather(1, picked)[:, 0].tolist()
+        k = min(max(samplers[b].params.top_logprobs for b in wanted), logits.shape[-1])  # fewer ids: fewer listed
         top = torch.topk(logprobs, k) if k else None
         for i, b in enumerate(wanted):
-            count = samplers[b].params.top_logprobs
-            pairs = () if not count else tuple(zip(top.indices[i, :count].tolist(), top.values[i, :count].tolist(),
-                                                   strict=True))
+            count, space = samplers[b].params.top_logprobs, samplers[b].space
+            pairs = () if not count else tuple((space.token(c), lp) for c, lp in zip(
+                top.indices[i, :count].tolist(), top.values[i, :count].tolist(), strict=True))
             reported[b] = TokenLogprobs(tokens[b], chosen[i], pairs)
     return [Sample(token_id, reported.get(b)) for b, token_id in enumerate(tokens)]
 
 
-def decode_step(model: KimiLinearForCausalLM, caches: Sequence[SequenceCache], tokens: Sequence[int]) -> torch.Tensor:
-    """One batched forward: `tokens[b]` continues `caches[b]`; the next-token logits `[B, vocab]`."""
+def decode_step(model: KimiLinearForCausalLM, caches: Sequence[SequenceCache], tokens: Sequence[int],
+                space: TokenSpace) -> torch.Tensor:
+    """One batched forward: `tokens[b]` continues `caches[b]`; the next-token logits over `space`."""
     ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
-    return model.step(list(ids[:, None]), TrunkCache(list(caches)))
+    return model.step(list(ids[:, None]), TrunkCache(list(caches)), head_ids=space.ids)
 
 
 @dataclass
@@ -291,22 +322,17 @@ def generate(
     empty = [i for i, p in enumerate(tensors) if p.shape[0] == 0]
     if empty:
         raise ValueError(f"prompt {empty[0]} is empty")
-    vocab = model.cfg.vocab_size
-    if allowed_ids is not None and tuple(allowed_ids.shape) != (vocab,):
-        raise ValueError(f"allowed_ids must be a bool mask of shape [{vocab}], got {list(allowed_ids.shape)}")
-    blocked = None if allowed_ids is None else ~allowed_ids.to(device=device, dtype=torch.bool)
-    key = "input_ids" if input_ids is not None else "inputs_embeds"
-    caches, samplers, logits = [], [], []
+    space = TokenSpace(model.cfg.vocab_size, allowed_ids, device)
+    caches, samplers = [], []
     for p in tensors:
         caches.append(model.new_sequence(len(p) + params.max_new_tokens, latent_cache_dtype))
-        samplers.append(Sampler(params, vocab, device, prompt_ids=p.tolist() if input_ids is not None else (),
+        samplers.append(Sampler(params, space, device, prompt_ids=p.tolist() if input_ids is not None else (),
                                 seed=params.seed))
-        logits.append(model(**{key: p[None].to(device)}, cache=TrunkCache([caches[-1]]), last_only=True))
+    step_logits = model.step([p.to(device) for p in tensors], TrunkCache(caches), head_ids=space.ids)
     results = [Generation([], "length") for _ in tensors]
     active = list(range(len(tensors)))
-    step_logits = torch.cat(logits)
     while active:
-        samples = sample_batch(step_logits, [samplers[i] for i in active], blocked)
+        samples = sample_batch(step_logits, [samplers[i] for i in active])
         going = []
         for i, sample in zip(active, samples, strict=True):
             reason = samplers[i].take(sample.token_id)
@@ -322,5 +348,6 @@ def generate(
                 results[i].finish_reason = reason
         active = going
         if active:
-            step_logits = decode_step(model, [caches[i] for i in active], [results[i].tokens[-1] for i in active])
+            step_logits = decode_step(model, [caches[i] for i in active], [results[i].tokens[-1] for i in active],
+                                      space)
     return results

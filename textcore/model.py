@@ -202,11 +202,13 @@ class KimiLinearForCausalLM(nn.Module):
         return self.lm_head(h).float()
 
     @torch.no_grad()
-    def step(self, chunks: Sequence[torch.Tensor], cache: TrunkCache) -> torch.Tensor:
+    def step(self, chunks: Sequence[torch.Tensor], cache: TrunkCache,
+             head_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One forward over sequences of different lengths: `chunks[b]`, token ids `[T_b]` or
         embeddings `[T_b, hidden]`, continues `cache.sequences[b]` (a decode token, a prompt chunk).
         All their tokens run through the per-token layers together; the next-token logits at each
-        chunk's last token, `[B, vocab]` (fp32)."""
+        chunk's last token, `[B, vocab]` (fp32), or `[B, len(head_ids)]`: only those ids' rows of the
+        head (the ids that can be sampled)."""
         if len(chunks) != cache.batch:
             raise ValueError(f"{len(chunks)} chunks for a cache of {cache.batch} sequences")
         ids = [b for b, chunk in enumerate(chunks) if chunk.dim() == 1]
@@ -219,7 +221,10 @@ class KimiLinearForCausalLM(nn.Module):
         h = self.model(torch.cat([r.to(self.device, self.dtype) for r in rows])[None], segments, cache)
         for sequence, n in zip(cache.sequences, segments.lengths, strict=True):
             sequence.length += n
-        return self.lm_head(h[0, segments.last_positions()]).float()
+        last = h[0, segments.last_positions()]
+        if head_ids is None:
+            return self.lm_head(last).float()
+        return torch.nn.functional.linear(last, self.lm_head.weight[head_ids]).float()
 
     # ---- checkpoints ----
     @classmethod

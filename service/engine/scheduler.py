@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, sample_batch
+from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
 from textcore.parser import Event, StreamParser
 from textcore.splice import Span, splice_rows
@@ -208,7 +208,7 @@ class Scheduler:
         self.kv_cache_bytes = kv_cache_bytes
         self.latent_dtype = latent_dtype
         self.metrics = metrics
-        self._blocked = None if allowed_ids is None else ~allowed_ids.to(model.device)
+        self._space = TokenSpace(model.cfg.vocab_size, allowed_ids, model.device)  # what may be sampled
         self._wake = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._prefilling: list[_Prefill] = []
@@ -308,8 +308,8 @@ class Scheduler:
         inputs += [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks]
         caches = [s.cache for s in batch] + [prefill.cache for prefill, _ in chunks]
         try:
-            logits = self.model.step(inputs, TrunkCache(caches))
-            samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch], self._blocked)
+            logits = self.model.step(inputs, TrunkCache(caches), head_ids=self._space.ids)
+            samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch])
         except Exception as exc:  # noqa: BLE001 - the step's jobs fail; the scheduler goes on
             log.exception("trunk step failed")
             for sequence in batch:
@@ -365,12 +365,12 @@ class Scheduler:
         """The prompt is in: fork its cache into the job's n sequences, each samples its first token."""
         job, params = prefill.job, prefill.job.params
         caches = [prefill.cache] + [prefill.cache.fork() for _ in range(params.n - 1)]
-        samplers = [Sampler(params, self.model.cfg.vocab_size, self.model.device, prompt_ids=job.prompt.ids,
-                            seed=params.seed_of(i)) for i in range(params.n)]
+        samplers = [Sampler(params, self._space, self.model.device, prompt_ids=job.prompt.ids, seed=params.seed_of(i))
+                    for i in range(params.n)]
         sequences = [_Sequence(job, i, cache, sampler, self.tokenizer)
                      for i, (cache, sampler) in enumerate(zip(caches, samplers, strict=True))]
         job.open = params.n
-        first = sample_batch(logits.expand(params.n, -1), samplers, self._blocked)
+        first = sample_batch(logits.expand(params.n, -1), samplers)
         for sequence, sample in zip(sequences, first, strict=True):
             sequence.accept(sample)
             if sequence.finished:
