@@ -40,9 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="tokens per trunk step: one per running sequence, the rest for prefill chunks, so a "
                              "long prompt is prefilled over several steps (>= --max-num-seqs); default 512")
-    parser.add_argument("--trunk-threads", type=int, default=1, metavar="N",
-                        help="torch CPU threads of the trunk (default 1: on a CPU its small ops gain nothing from "
-                             "more, and spinning threads slow everything else the cores run)")
     parser.add_argument("--kv-cache-memory-gb", type=float, metavar="GB",
                         help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
                              "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "
@@ -84,8 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    for name in ("max_concurrency", "max_message_mb", "max_images", "max_num_seqs", "max_num_batched_tokens",
-                 "trunk_threads"):
+    for name in ("max_concurrency", "max_message_mb", "max_images", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
@@ -181,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            trunk_threads=args.trunk_threads,
             kv_cache_bytes=None if args.kv_cache_memory_gb is None else max(1, int(args.kv_cache_memory_gb * 2**30)),
         )
         return asyncio.run(serve(config, engine_config, on_ready=announce))

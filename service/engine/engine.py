@@ -154,10 +154,6 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     kv_cache_bytes: int | None = None
-    # torch CPU threads of the scheduler's thread. One: a tiny trunk's ops are too small to share, and
-    # OpenMP threads that spin while the encoder workers and the faces hold the cores cost far more
-    # (16 concurrent generations on the 2-core box: 16.4 req/s with 1 thread, 6.7 with 2).
-    trunk_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.components not in COMPONENTS:
@@ -165,7 +161,7 @@ class EngineConfig:
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {self.hash_algorithm!r}")
         for name in ("max_images", "max_request_pixels", "cpu_threads", "default_max_new_tokens",
-                     "max_new_tokens_limit", "max_num_seqs", "max_num_batched_tokens", "trunk_threads"):
+                     "max_new_tokens_limit", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -242,8 +238,7 @@ class Engine:
             budget = config.kv_cache_bytes or default_kv_cache_bytes(model.device)
             self.scheduler = Scheduler(model, tokenizer, max_num_seqs=config.max_num_seqs,
                                        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=budget,
-                                       allowed_ids=None if bool(decodable.all()) else decodable, metrics=self.metrics,
-                                       threads=config.trunk_threads)
+                                       allowed_ids=None if bool(decodable.all()) else decodable, metrics=self.metrics)
 
     @classmethod
     def load(cls, config: EngineConfig, metrics: Metrics | None = None) -> Engine:

@@ -197,8 +197,7 @@ class Scheduler:
 
     def __init__(self, model: KimiLinearForCausalLM, tokenizer: Tokenizer, *, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_cache_bytes: int, allowed_ids: torch.Tensor | None = None,
-                 latent_dtype: torch.dtype | None = None, metrics: Metrics | None = None,
-                 threads: int | None = None) -> None:
+                 latent_dtype: torch.dtype | None = None, metrics: Metrics | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got {max_num_seqs} "
                              f"and {max_num_batched_tokens}")
@@ -209,7 +208,6 @@ class Scheduler:
         self.kv_cache_bytes = kv_cache_bytes
         self.latent_dtype = latent_dtype
         self.metrics = metrics
-        self.threads = threads  # torch CPU threads of the scheduler's thread (None: torch's default)
         self._space = TokenSpace(model.cfg.vocab_size, allowed_ids, model.device)  # what may be sampled
         self._wake = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -257,8 +255,6 @@ class Scheduler:
     # -- the scheduler's thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's (and, in torch, threads started after it)
         while True:
             with self._wake:
                 while not self._closed and self.idle:
