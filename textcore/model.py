@@ -2,7 +2,10 @@
 
 Forward, top to bottom: embed -> for each layer [AttnRes mix -> input RMSNorm -> KDA or gated MLA
 -> add to the stream; AttnRes mix -> post-attention RMSNorm -> dense SiTU FFN (layer 0) or Latent
-MoE -> add] -> output AttnRes mix -> RMSNorm -> lm_head.
+MoE -> add] -> output AttnRes mix -> RMSNorm -> lm_head. A forward runs the new tokens of several
+sequences laid end to end (`textcore.segments`), each continuing its own `SequenceCache`: `step`
+takes sequences of different lengths (decode tokens and prompt chunks together), `forward` a
+`[B, T]` batch.
 
 Module names equal the published checkpoint names (prefix `language_model.` in the multimodal
 layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoint keys:
