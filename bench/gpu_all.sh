@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU benchmark once, in one short run (a few minutes on an H100/H200; keep it under 10):
 # the k3 tower (bench.gpu_tower), the MXFP4 kernels and the grouped MoE layer (bench.gpu_mxfp4),
-# and 12 MP JPEG bytes -> rows through an encoder pool on the card (bench.gpu_encode).
+# 12 MP JPEG bytes -> rows through an encoder pool on the card (bench.gpu_encode), and the trunk's
+# batched decode at 1, 8 and 32 sequences (bench.decode, a K3-width slice).
 #
 #   bench/gpu_all.sh [OUTPUT_FILE]        default: gpu-bench-<date>.txt in the current directory
 #
@@ -24,4 +25,7 @@ unset TRITON_INTERPRET
   "$python" -m bench.gpu_mxfp4 --batches 1,4,16,64,256 --experts 64 --rep-ms 100 || echo "== bench.gpu_mxfp4 FAILED (exit $?)"
   echo "== python -m bench.gpu_encode"
   "$python" -m bench.gpu_encode --device cuda:0 --images 4 --repeats 2 || echo "== bench.gpu_encode FAILED (exit $?)"
+  echo "== python -m bench.decode"
+  "$python" -m bench.decode --device cuda:0 --preset k3-slice --batches 1,8,32 --steps 64 \
+    || echo "== bench.decode FAILED (exit $?)"
 } 2>&1 | tee "$out"

@@ -10,6 +10,13 @@ bounded number of bodies in flight, so what is read at once is bounded whatever 
 and every body read is one of the admitted requests'), its remote images (the fetcher's own
 bound), then a work slot (`Ticket.work`, which yields the engine). `admit()` is both at once, for
 a request that arrived whole (gRPC).
+
+A generation counts against the capacity (slots + queue: every admitted request, for overload and
+for the drain) but takes no work slot (`work(generation=True)`): the trunk's scheduler runs
+generations together, up to `--max-num-seqs` at once within the KV-cache budget, the others
+waiting in its queue. The slots (`--max-concurrency`) bound the image work of everything else:
+Preprocess, CountTokens, Embed, Encode, and the chat completions that only encode (vLLM's EC
+producer).
 """
 
 from __future__ import annotations
@@ -54,12 +61,16 @@ class Ticket:
             yield
 
     @contextlib.asynccontextmanager
-    async def work(self) -> AsyncIterator[Engine]:
-        """A work slot: the engine, for as long as the block runs."""
+    async def work(self, *, generation: bool = False) -> AsyncIterator[Engine]:
+        """A work slot: the engine, for as long as the block runs. A generation takes none (the
+        trunk's scheduler bounds generations: its batch, its queue, the KV budget)."""
         admission = self._admission
+        if generation:
+            self._started()
+            yield admission.engine
+            return
         await admission._slots.acquire()
-        self.waiting = False
-        admission._metrics.queue_depth.dec()
+        self._started()
         admission.working += 1
         admission._metrics.inflight.inc()
         try:
@@ -68,6 +79,10 @@ class Ticket:
             admission.working -= 1
             admission._metrics.inflight.dec()
             admission._slots.release()
+
+    def _started(self) -> None:
+        self.waiting = False
+        self._admission._metrics.queue_depth.dec()
 
     def _leave(self) -> None:
         if self.waiting:
@@ -117,6 +132,6 @@ class Admission:
             ticket._leave()
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[Engine]:
-        async with self.enter() as ticket, ticket.work() as engine:
+    async def admit(self, *, generation: bool = False) -> AsyncIterator[Engine]:
+        async with self.enter() as ticket, ticket.work(generation=generation) as engine:
             yield engine

@@ -109,6 +109,14 @@ class Metrics:
             "kimi_vision_embed_cache_lookups", "Embedding cache lookups by result.", ["result"], registry=r
         )
         self.cache_bytes = Gauge("kimi_vision_embed_cache_bytes", "Bytes held by the embedding cache.", registry=r)
+        self.running_sequences = Gauge("kimi_vision_running_sequences", "Sequences decoding in the trunk's batch.",
+                                       registry=r)
+        self.waiting_generations = Gauge("kimi_vision_waiting_generations",
+                                         "Generations waiting for the trunk or having their prompt prefilled.",
+                                         registry=r)
+        self.kv_cache_reserved_bytes = Gauge("kimi_vision_kv_cache_reserved_bytes",
+                                             "Worst-case KV cache of the admitted generations (within the budget).",
+                                             registry=r)
         self.images_refused = Counter("kimi_vision_images_refused",
                                       "Images refused, by reason (the error kind: bad_input, too_large, unsupported).",
                                       ["reason"], registry=r)

@@ -2,7 +2,9 @@
 (https://platform.openai.com/docs/api-reference/chat/object, .../chat/streaming): what the HTTP face
 sends and what a batch row's body holds. Strict: a field the reference does not name is an error,
 but for `reasoning`, the reasoning text in the field vLLM's OpenAI server uses for it, and vLLM's
-`ec_transfer_params` on an EC producer's answer (`EncoderCompletion`)."""
+`ec_transfer_params` on an EC producer's answer (`EncoderCompletion`). The logprobs objects
+(`ChoiceLogprobs`, `TokenLogprob`, `TopLogprob`) follow the openai SDK's `ChoiceLogprobs` and
+`chat_completion_token_logprob.py` field for field, stricter (every field present)."""
 
 from __future__ import annotations
 
@@ -33,10 +35,28 @@ class Message(_Model):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Model):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
 class Choice(_Model):
     index: int
     message: Message
-    logprobs: dict[str, Any] | None
+    logprobs: ChoiceLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
@@ -71,7 +91,7 @@ class Delta(_Model):
 class ChunkChoice(_Model):
     index: int
     delta: Delta
-    logprobs: dict | None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"] | None
 
 

@@ -344,7 +344,7 @@ def test_models_and_health(http):
 def test_error_bodies_and_statuses(http, server):
     data = SAMPLE.read_bytes()
     _error(http.post("/v1/chat/completions", json=_chat(b"not an image at all")), 400, "bad image")
-    _error(http.post("/v1/chat/completions", json=_chat(data, logit_bias={"1": 1})), 400, "logit_bias")
+    _error(http.post("/v1/chat/completions", json=_chat(data, best_of=2)), 400, "best_of")
     _error(http.post("/v1/chat/completions", json={**_chat(data), "model": "gpt-4o"}), 404, "gpt-4o")
     _error(http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
            400, "not valid JSON")

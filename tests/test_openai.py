@@ -11,15 +11,16 @@ import time
 
 import pytest
 from image_upstream import ImageUpstream
+from openai_schema import ChatCompletion, ChatCompletionChunk
 
-from service.engine import ChatInput, GenerationResult
+from service.engine import ChatInput, Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
 from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
 from textcore.chat import CHAT_KWARGS, ChatError
-from textcore.generate import SamplingError
+from textcore.generate import SamplingError, SamplingParams
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNsaGhgoDZgorqJo4aOGjpq6Kiho4aOGjpq6Kihg9JQAP1uAbgMp"
@@ -40,7 +41,7 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     assert request.messages == [{"role": "user", "content": content}]
     assert request.images == [ImagePart(DATA_URL, "messages[0].content[0]")]
     assert (request.model, request.max_tokens, request.stream, request.include_usage) == ("m", 7, True, True)
-    assert request.sampling == {"temperature": 0.5, "top_p": 0.9, "seed": 3}
+    assert request.sampling == {"temperature": 0.5, "top_p": 0.9, "seed": 3, "n": 1, "presence_penalty": 0.0}
     assert request.chat_kwargs == {"reasoning_effort": "low", "thinking": False}
     chat = request.chat_input([PNG])
     assert chat.images[0].data == PNG and chat.images[0].where == "messages[0].content[0]"
@@ -50,11 +51,41 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     assert uuid_request.chat_input([PNG]).images[0].uuid == "client-7"
 
 
+def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
+    """Every parameter the issue lists is honoured, under its OpenAI / vLLM name, as the
+    `SamplingParams` field of the same name (`stop` as a string or a list, `logit_bias` keys as
+    JSON's string keys)."""
+    body = _body(stop="END", n=3, logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
+                 repetition_penalty=1.2, min_tokens=2, ignore_eos=True, logit_bias={"17": 5, "3": -100.0},
+                 stop_token_ids=[163585], skip_special_tokens=False, temperature=0.7, seed=9)
+    sampling = parse_chat_request(body).sampling
+    assert sampling == {"stop": ["END"], "n": 3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
+                        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
+                        "logit_bias": {17: 5.0, 3: -100.0}, "stop_token_ids": [163585],
+                        "skip_special_tokens": False, "temperature": 0.7, "seed": 9}
+    params = SamplingParams(**sampling)
+    assert params.stop == ("END",) and params.logit_bias == {17: 5.0, 3: -100.0} and params.n == 3
+    assert parse_chat_request(_body(stop=["a", "b"])).sampling["stop"] == ["a", "b"]
+
+
 @pytest.mark.parametrize(("extra", "error", "words"), [
-    ({"logit_bias": {"1": 2}}, Unsupported, r"unsupported parameter\(s\) \['logit_bias'\]"),
-    ({"n": 2}, Unsupported, "n=2 is not supported"),
-    ({"stop": ["\n"]}, Unsupported, "stop="),
-    ({"frequency_penalty": 0.5}, Unsupported, "frequency_penalty=0.5"),
+    ({"n": 0}, SamplingError, "^n must be >= 1, got 0$"),
+    ({"n": 1.5}, BadRequest, "n must be an integer"),
+    ({"stop": ["a", 3]}, BadRequest, "stop must be a string or a list of strings"),
+    ({"stop": [""]}, SamplingError, "stop must hold non-empty strings"),
+    ({"frequency_penalty": 2.5}, SamplingError, r"^frequency_penalty must be in \[-2, 2\], got 2.5$"),
+    ({"presence_penalty": "a lot"}, BadRequest, "presence_penalty must be a number"),
+    ({"repetition_penalty": 0}, SamplingError, "repetition_penalty must be > 0"),
+    ({"logit_bias": {"x": 1}}, BadRequest, r"logit_bias must hold token ids \(integers from 0\), got 'x'"),
+    ({"logit_bias": {"1": "up"}}, BadRequest, r"logit_bias\['1'\] must be a number"),
+    ({"logit_bias": {"1": 300}}, SamplingError, r"logit_bias\[1\] must be in \[-100, 100\], got 300.0"),
+    ({"logit_bias": [1]}, BadRequest, "logit_bias must be an object"),
+    ({"top_logprobs": 3}, SamplingError, "top_logprobs needs logprobs to be true"),
+    ({"logprobs": 1}, BadRequest, "logprobs must be true or false"),
+    ({"min_tokens": 9, "max_tokens": 4}, SamplingError, r"min_tokens must be from 0 to max_new_tokens \(4\), got 9"),
+    ({"stop_token_ids": [-1]}, BadRequest, "stop_token_ids must hold token ids"),
+    ({"ignore_eos": "yes"}, BadRequest, "ignore_eos must be true or false"),
+    ({"parallel_tool_calls": False}, Unsupported, "parallel_tool_calls=False is not supported"),
     ({"max_tokens": 0}, BadRequest, "max_tokens must be an integer from 1 to"),
     ({"temperature": "hot"}, BadRequest, "temperature must be a number"),
     ({"temperature": -0.5}, SamplingError, r"^temperature must be >= 0, got -0.5$"),
@@ -71,6 +102,8 @@ def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, wo
     with pytest.raises(error, match=words):
         parse_chat_request(_body(**extra))
     assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).max_tokens is None
+    with pytest.raises(Unsupported, match=r"unsupported parameter\(s\) \['best_of'\]"):
+        parse_chat_request(_body(best_of=2))
 
 
 def test_chat_template_kwargs_carry_every_option_the_template_takes():
@@ -244,21 +277,27 @@ def test_data_urls_always_local_files_only_with_a_base_dir(tmp_path):
 
 def test_a_reply_as_a_completion_a_stream_and_an_error():
     reply = Reply()
-    deltas = [reply.add(item) for item in (p.ReasoningDelta("hmm"), p.ContentDelta("A "), p.ContentDelta("cat."),
-                                           p.Stop(163586), GenerationResult("stop", 30, 16, 4))]
-    assert deltas == [{"reasoning": "hmm"}, {"content": "A "}, {"content": "cat."}, None, None]
+    parts = [reply.add(Choice(0, item)) for item in (p.ReasoningDelta("hmm"), p.ContentDelta("A "),
+                                                     p.ContentDelta("cat."), p.Stop(163586),
+                                                     GenerationResult("stop", 30, 16, 4))]
+    assert [part and part["delta"] for part in parts] == [{"reasoning": "hmm"}, {"content": "A "},
+                                                          {"content": "cat."}, None, {}]
+    assert parts[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     body = completion(reply, model="m", request_id="chatcmpl-1", created=5)
     assert body == {"id": "chatcmpl-1", "object": "chat.completion", "created": 5, "model": "m", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": "A cat.", "reasoning": "hmm"}, "logprobs": None,
          "finish_reason": "stop"}], "usage": {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}}
+    ChatCompletion.model_validate(body)
     tools = Reply()
-    tools.add(p.ToolCallEnd(1, "get_weather", {"city": "Seoul"}))
-    tools.add(GenerationResult("stop", 10, 0, 9))
+    tools.add(Choice(0, p.ToolCallEnd(1, "get_weather", {"city": "Seoul"})))
+    tools.add(Choice(0, GenerationResult("stop", 10, 0, 9)))
     message = completion(tools, model="m", request_id="x")["choices"][0]
     assert message["finish_reason"] == "tool_calls"
     assert message["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Seoul"}'}
-    assert chunk({"content": "A"}, model="m", request_id="x", created=1)["choices"][0]["delta"] == {"content": "A"}
-    usage = chunk(None, model="m", request_id="x", created=1, usage=reply.usage())
+    streamed = chunk([parts[1]], model="m", request_id="x", created=1)
+    assert streamed["choices"][0]["delta"] == {"content": "A "}
+    ChatCompletionChunk.model_validate(streamed)
+    usage = chunk([], model="m", request_id="x", created=1, usage=reply.usage())
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 34
     error = error_body(classify(TooLarge("too big")))
     assert error == {"error": {"message": "too big", "type": "invalid_request_error", "param": None, "code": 413}}
@@ -354,3 +393,35 @@ def test_the_rules_openai_states_beyond_the_shapes():
         with pytest.raises(BadRequest, match=re.escape(words)):
             parse_chat_request({"messages": message, **extra})
     assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat_kwargs == {"tool_choice": "none"}
+
+
+def _logprob(token: str, logprob: float, token_id: int = 7) -> TokenLogprob:
+    return TokenLogprob(token_id, token, token.encode(), logprob)
+
+
+def test_choices_are_indexed_their_usage_summed_and_logprobs_in_openais_shape():
+    """n choices, each with its own items; usage counts the prompt once and every choice's tokens;
+    a token's logprobs go out with its choice's next chunk, and in `choices[].logprobs.content`
+    (OpenAI's shape: token, logprob (-9999.0 for a token with none), bytes, top_logprobs)."""
+    reply = Reply()
+    first = Logprobs(_logprob("A", -0.5), (_logprob("A", -0.5), _logprob("B", float("-inf"), 8)))
+    parts = [reply.add(Choice(1, first)), reply.add(Choice(1, p.ContentDelta("A"))),
+             reply.add(Choice(0, p.ContentDelta("x"))), reply.add(Choice(0, GenerationResult("length", 30, 16, 1))),
+             reply.add(Choice(1, Logprobs(_logprob("é", -1.0), ()))),
+             reply.add(Choice(1, GenerationResult("stop", 30, 16, 2)))]
+    entry = {"token": "A", "logprob": -0.5, "bytes": [65], "top_logprobs": [
+        {"token": "A", "logprob": -0.5, "bytes": [65]}, {"token": "B", "logprob": -9999.0, "bytes": [66]}]}
+    assert parts[0] is None and parts[1] == {"index": 1, "delta": {"content": "A"},
+                                             "logprobs": {"content": [entry], "refusal": None}, "finish_reason": None}
+    assert parts[2]["logprobs"] is None  # choice 0 did not ask (no logprobs came)
+    last = {"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []}
+    assert parts[5] == {"index": 1, "delta": {}, "logprobs": {"content": [last], "refusal": None},
+                        "finish_reason": "stop"}
+    body = completion(reply, model="m", request_id="x", created=1)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][1]["logprobs"] == {"content": [entry, last], "refusal": None}
+    assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+    ChatCompletion.model_validate(body)
+    for part in parts:
+        if part is not None:
+            ChatCompletionChunk.model_validate(chunk([part], model="m", request_id="x", created=1))

@@ -151,6 +151,9 @@ def test_stop_truncation_and_stray_tokens(tiny_tokenizer):
     assert parser.finish()["content"] == "hi there" and parser.finish()["stopped"]
     with pytest.raises(RuntimeError):
         parser.feed([1])
+    kept = p.StreamParser(tiny_tokenizer, thinking=False, skip_special_tokens=False)  # a stray special is text then
+    kept.feed(tiny_tokenizer.encode("hi<|media_pad|> there<|close|>response<|sep|>", allow_special=True))
+    assert kept.finish()["content"] == "hi<|media_pad|> there"
 
     truncated = p.StreamParser(tiny_tokenizer)
     truncated.feed(_call_ids(tiny_tokenizer, ("a", "string", "complete"), ("b", "string", "cut off"))[:-14])

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from chain_model import chain_model
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from images import jpeg, png
 from safetensors.torch import load_file
@@ -26,6 +27,7 @@ from serve_process import free_port
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
+from service.engine.scheduler import trunk_embeds
 from service.engine.vllm_ec import mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
@@ -73,38 +75,17 @@ def _pool_rows(engine: Engine, data: bytes) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def stopper(server, tiny_checkpoint):
-    """A server whose trunk is rewired into a fixed bigram chain: after the generation prompt's last
-    token (<|sep|>) it writes "a", then "b", then <|end_of_msg|> (shares the main server's pool).
-
-    Every weight inside the decoder layers is zeroed, so no layer adds anything and the last
-    position's final hidden state is a positive multiple of its token embedding (Attention
-    Residuals mix the embedding checkpoint with zero sums). The final norm keeps channels 0 and 1,
-    which we set per token; the head scores only three ids, each best matched by one token.
-    """
-    from textcore.model import KimiLinearForCausalLM
-    from textcore.tokenizer import SEP_ID
-
+    """A server whose trunk is rewired into a fixed chain (`chain_model`): after the generation
+    prompt's last token (<|sep|>) it writes "a", then "b", then <|end_of_msg|> (shares the main
+    server's pool)."""
     main = server.engine
     a, b = main.tokenizer.encode("a")[0], main.tokenizer.encode("b")[0]
-    model = KimiLinearForCausalLM.from_checkpoint(tiny_checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        for t in [*model.model.layers.parameters(), *model.model.layers.buffers()]:  # MXFP4 codes too
-            t.zero_()
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[:2] = 1
-        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        emb[SEP_ID, :2] = torch.tensor([1.0, 0.0])
-        emb[a, :2] = torch.tensor([0.0, 1.0])
-        emb[b, :2] = torch.tensor([-1.0, 0.0])
-        head.zero_()
-        head[a, :2] = torch.tensor([1.0, 0.0])  # after <|sep|>
-        head[b, :2] = torch.tensor([0.0, 1.0])  # after "a"
-        head[END_OF_MSG_ID, :2] = torch.tensor([-1.0, 0.0])  # after "b"
+    model = chain_model(tiny_checkpoint, [a, b, END_OF_MSG_ID])
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint)), main.tokenizer, main.pool, model)
     with ServerThread(ServerConfig(port=0), engine=engine) as handle:
         yield handle
     engine.cpu_executor.shutdown()
-    engine.trunk_executor.shutdown()
+    engine.scheduler.close()
 
 
 @pytest.fixture()
@@ -119,7 +100,7 @@ def narrow(server):
     yield handle
     handle.stop()
     engine.cpu_executor.shutdown()
-    engine.trunk_executor.shutdown()
+    engine.scheduler.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +234,9 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client
     engine = server.engine
     chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
     chat = ChatInput(messages, images=[ImageInput(x) for x in (a, b, c)])
-    expanded, embeds, _ = engine._trunk_input(chat, chat_input_embeddings)
-    assert expanded.input_ids == ids
+    prompt = engine._prompt_input(chat, chat_input_embeddings)
+    embeds = trunk_embeds(engine.model, prompt)
+    assert prompt.ids == ids
     text_rows = engine.model.embed_tokens(torch.tensor(ids))
     is_image = torch.tensor(ids) == MEDIA_PAD_ID
     torch.testing.assert_close(embeds[~is_image], text_rows[~is_image], rtol=0, atol=0)
@@ -383,8 +365,13 @@ def test_request_pixel_cap(narrow):
 
 
 def _trunk_idle_within(engine, seconds: float) -> bool:
-    """True when the trunk thread picks up new work within `seconds` (i.e. it is not still generating)."""
-    return engine.trunk_executor.submit(lambda: None).result(timeout=seconds) is None
+    """True when the trunk's scheduler holds no generation within `seconds` (none is still decoding)."""
+    deadline = time.monotonic() + seconds
+    while not engine.scheduler.idle:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_deadline_exceeded_stops_generation(server, rpc_client):

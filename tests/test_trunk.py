@@ -1,4 +1,5 @@
-"""KimiLinear trunk: layer kinds, decode == full forward, padding, fp8 cache, router, SiTU, MoE
+"""KimiLinear trunk: layer kinds, decode == full forward, batches of sequences of different lengths,
+memory-linear prefill attention, fp8 cache, router, SiTU, MoE
 grouping, Attention Residuals, checkpoint round trips (multimodal, text-only, MXFP4)."""
 
 import logging
@@ -10,8 +11,9 @@ from textcore import mla
 from textcore.attnres import AttnResStream, depth_mix
 from textcore.config import TextConfig, k3, tiny
 from textcore.kda import RMSNorm
-from textcore.model import KimiLinearForCausalLM, ResProj, random_weights
+from textcore.model import KimiLinearForCausalLM, ResProj, TrunkCache, random_weights
 from textcore.moe import Expert, LatentMoE, Router, situ
+from textcore.segments import Segments
 from vision.checkpoint import Checkpoint, CheckpointError, write_checkpoint
 
 SEED = 3
@@ -58,23 +60,74 @@ def test_incremental_decode_matches_full_forward(model, ids, full_logits, prefil
     steps = [model(ids[:, :prefill], cache=cache)]
     steps += [model(ids[:, t:t + 1], cache=cache) for t in range(prefill, ids.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), full_logits, atol=1e-4, rtol=0)
-    assert cache.length == ids.shape[1]
+    assert [sequence.length for sequence in cache.sequences] == [ids.shape[1]] * 2
 
 
-def test_left_padding_changes_nothing(model, ids, full_logits):
-    short = ids[1, 5:]
-    padded = torch.stack([ids[0], torch.cat([torch.zeros(5, dtype=torch.long), short])])
-    pad = torch.zeros(2, ids.shape[1], dtype=torch.bool)
-    pad[1, :5] = True
-    cache = model.new_cache(2)
-    out = model(padded, cache=cache, pad_mask=pad)
-    alone = model(short[None])
-    torch.testing.assert_close(out[1, 5:], alone[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(out[0], full_logits[0], atol=1e-4, rtol=0)
-    nxt = torch.tensor([[7], [9]])
-    step = model(nxt, cache=cache)
-    alone_step = model(torch.cat([short, nxt[1]])[None])[:, -1]
-    torch.testing.assert_close(step[1, 0], alone_step[0], atol=1e-4, rtol=0)
+def test_sequences_of_different_lengths_decode_together(model, ids, full_logits):
+    """Each row of a batch continues its own sequence: two caches of different lengths (prefilled
+    alone, one in two chunks) step together and each gets the logits of its whole sequence alone."""
+    first, second = model.new_sequence(), model.new_sequence(capacity=4)  # the second outgrows its room
+    model(ids[:1, :7], cache=TrunkCache([first]))
+    model(ids[1:, :2], cache=TrunkCache([second]))
+    model(ids[1:, 2:4], cache=TrunkCache([second]))
+    batch = TrunkCache([first, second])
+    step = model(torch.stack([ids[0, 7:8], ids[1, 4:5]]), cache=batch, last_only=True)
+    torch.testing.assert_close(step[0], full_logits[0, 7], atol=1e-4, rtol=0)
+    torch.testing.assert_close(step[1], full_logits[1, 4], atol=1e-4, rtol=0)
+    step = model(torch.stack([ids[0, 8:9], ids[1, 5:6]]), cache=batch, last_only=True)
+    torch.testing.assert_close(step[1], full_logits[1, 5], atol=1e-4, rtol=0)
+    assert (first.length, second.length) == (9, 6)
+    fork = second.fork()  # a copy continues like the original
+    a, b = (model(ids[1:, 6:7], cache=TrunkCache([c]), last_only=True) for c in (second, fork))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(a[0], full_logits[1, 6], atol=1e-4, rtol=0)
+
+
+def test_one_step_runs_decode_tokens_and_prompt_chunks_of_several_sequences(model, ids, full_logits):
+    """`step`: a decode token of one sequence, a prompt chunk of another and the first chunk of a
+    third (ids and embeddings mixed) in one forward; each gets the logits of its sequence alone."""
+    decoding, chunked, fresh = model.new_sequence(), model.new_sequence(), model.new_sequence()
+    model(ids[:1, :6], cache=TrunkCache([decoding]))
+    model(ids[1:, :3], cache=TrunkCache([chunked]))
+    out = model.step([ids[0, 6:7], model.embed_tokens(ids[1, 3:9]), ids[1, :5]], TrunkCache([decoding, chunked, fresh]))
+    torch.testing.assert_close(out[0], full_logits[0, 6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], full_logits[1, 8], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2], full_logits[1, 4], atol=1e-4, rtol=0)
+    assert (decoding.length, chunked.length, fresh.length) == (7, 9, 5)
+    out = model.step([ids[0, 7:8], ids[1, 9:10], ids[1, 5:6]], TrunkCache([decoding, chunked, fresh]))  # all decode
+    torch.testing.assert_close(out, full_logits[[0, 1, 1], [7, 9, 5]], atol=1e-4, rtol=0)
+
+
+def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(monkeypatch):
+    """The expanded MLA prefill, query block by query block through SDPA, equals the scores
+    written out in full ([H, T, S] in fp32, the formula of the module docstring), with and without
+    a cached prefix; blocks smaller than the prompt change nothing."""
+    cfg = tiny()
+    layer = KimiLinearForCausalLM.random(cfg, seed=SEED).model.layers[2].self_attn
+    x = torch.randn(1, 300, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def materialised(x):
+        H, T = layer.num_heads, x.shape[1]
+        q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))).view(1, T, H, -1)
+        c, k_rot = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.rope], -1)
+        k_nope, v = layer.kv_b_proj(layer.kv_a_layernorm(c)).view(1, T, H, -1).split([layer.nope, layer.v_dim], -1)
+        scores = torch.einsum("bthn,bshn->bhts", q[..., :layer.nope], k_nope)
+        scores = scores + torch.einsum("bthr,bsr->bhts", q[..., layer.nope:], k_rot)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        probs = torch.softmax((scores * layer.scale).masked_fill(~causal, float("-inf")), -1)
+        attn = torch.einsum("bhts,bshv->bthv", probs, v) * torch.sigmoid(layer.g_proj(x)).view(1, T, H, -1)
+        return layer.o_proj(attn.reshape(1, T, -1))
+
+    def run(part, cache):
+        return layer(part, Segments([part.shape[1]], cache is not None, "cpu"), cache and [cache])
+
+    with torch.no_grad():
+        expected = materialised(x)
+        torch.testing.assert_close(run(x, None), expected, atol=1e-5, rtol=1e-5)
+        monkeypatch.setattr(mla, "QUERY_CHUNK", 64)
+        cache = mla.MLACache()
+        chunks = [run(x[:, :130], cache), run(x[:, 130:131], cache), run(x[:, 131:], cache)]
+        torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, monkeypatch):
@@ -89,11 +142,15 @@ def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, mo
     assert sum("no KV cache scales" in r.message for r in caplog.records) == 1
     layer = model.model.layers[2].self_attn
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2))
-    exact = layer(x)
-    entry = cache.layers[2]
-    steps = [layer(x[:, :4], entry)] + [layer(x[:, t:t + 1], entry) for t in range(4, 9)]
+    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], False, "cpu")).view(2, 9, 64)
+    entry = cache.layer(2)
+
+    def run(part):  # the two sequences' new tokens end to end, as the model lays them
+        return layer(part.reshape(1, -1, 64), Segments([part.shape[1]] * 2, True, "cpu"), entry).view(2, -1, 64)
+
+    steps = [run(x[:, :4])] + [run(x[:, t:t + 1]) for t in range(4, 9)]
     err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
-    assert entry.latent.dtype == torch.float8_e4m3fn
+    assert entry[0].buffer.dtype == torch.float8_e4m3fn
     assert 0 < err <= 0.05
     # and the whole model runs on an fp8 cache
     assert torch.isfinite(model(ids, cache=model.new_cache(2, latent_dtype=torch.float8_e4m3fn))).all()

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from textcore.segments import Segments
+
 CHUNK = 32  # tokens per chunk in chunk_kda; its decays are factorised around the middle row, so
 # CHUNK / 2 * |LOG_DECAY_MIN| = 80 must stay inside fp32's exp range (~88)
 SLAB = 64  # (chunk, head) blocks whose S-independent parts are computed together: at least one chunk of
@@ -217,11 +219,29 @@ class ShortConv(nn.Module):
 
 
 class KDACache:
-    """Decode state of one KDA layer: conv inputs and the recurrent state, both fp32."""
+    """Decode state of one sequence in one KDA layer: the conv inputs (q, k, v) and the recurrent
+    state, fp32; None until the sequence's first token (the zero state)."""
 
     def __init__(self):
-        self.conv: list[torch.Tensor | None] = [None, None, None]  # q, k, v
-        self.state: torch.Tensor | None = None
+        self.conv: list[torch.Tensor | None] = [None, None, None]  # each [channels, kernel - 1]
+        self.state: torch.Tensor | None = None  # [H, K, V]
+
+    def clone(self) -> KDACache:
+        copy = KDACache()
+        copy.conv = [None if t is None else t.clone() for t in self.conv]
+        copy.state = None if self.state is None else self.state.clone()
+        return copy
+
+    @staticmethod
+    def nbytes(cfg) -> int:
+        """What one sequence holds in one KDA layer (fp32)."""
+        proj = cfg.kda_num_heads * cfg.kda_head_dim
+        return 4 * (3 * proj * (cfg.short_conv_kernel_size - 1) + cfg.kda_num_heads * cfg.kda_head_dim ** 2)
+
+
+def _stacked(states: list[torch.Tensor | None], shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """`[B, *shape]` from per-sequence states (None: zeros, a sequence's first token)."""
+    return torch.stack([s if s is not None else like.new_zeros(shape, dtype=torch.float32) for s in states])
 
 
 class KimiDeltaAttention(nn.Module):
@@ -251,35 +271,64 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=torch.float32)  # shipped in fp32
         self.o_proj = lin(proj, hidden)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[B, T, hidden]`; pad_mask `[B, T]` True at left-padding positions, which then leave
-        conv and recurrent state exactly as if they were absent."""
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, segments: Segments, caches: list[KDACache] | None = None) -> torch.Tensor:
+        """x `[1, N, hidden]`: the new tokens of `segments`' sequences end to end, which continue
+        `caches` (one per sequence) or, without caches, are whole sequences. The sequences of one
+        token take one recurrent step on their stacked states; every other runs `chunk_kda` alone."""
         H, D = self.num_heads, self.head_dim
+        N = x.shape[1]
         qkv = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        if pad_mask is not None:
-            qkv = [t.masked_fill(pad_mask[..., None], 0) for t in qkv]
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         outs = []
         for i, (t, conv) in enumerate(zip(qkv, convs, strict=True)):
-            y, new_state = conv(t, cache.conv[i] if cache is not None else None)
-            if cache is not None:
-                cache.conv[i] = new_state
-            outs.append(y.view(B, T, H, D))
+            y = t.new_empty(1, N, H * D, dtype=torch.float32)
+            for b, y_b, state in self._conv_parts(t, conv, i, segments, caches):
+                if b is None:  # the singles
+                    y[0, segments.single_positions] = y_b[:, 0]
+                else:
+                    y[:, segments.span(b)] = y_b
+                    if caches is not None:
+                        caches[b].conv[i] = state[0].clone()  # not a view: that keeps the chunk's inputs
+            outs.append(y.view(1, N, H, D))
         q, k, v = l2_normalize(outs[0]), l2_normalize(outs[1]), outs[2]
-        raw = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, H, D)
+        raw = self.f_b_proj(self.f_a_proj(x)).float().view(1, N, H, D)
         rate = self.A_log[:H].float().exp()[:, None]  # [H, 1]
         g = self.gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias.view(H, D)))  # in [bound, 0)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if pad_mask is not None:
-            g = g.masked_fill(pad_mask[..., None, None], 0)
-            beta = beta.masked_fill(pad_mask[..., None], 0)
-        state = cache.state if cache is not None else None
-        kda = recurrent_kda if T == 1 else chunk_kda
-        o, state = kda(q, k, v, g, beta, scale=D**-0.5, initial_state=state, output_final_state=cache is not None)
-        if cache is not None:
-            cache.state = state
-        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, D)
+        o = v.new_empty(1, N, H, D)
+        if segments.singles:
+            at = segments.single_positions
+            mine = [caches[b] for b in segments.singles]
+            state = _stacked([c.state for c in mine], (H, D, D), x)
+            o_s, state = recurrent_kda(*(t[0, at][:, None] for t in (q, k, v, g, beta)), scale=D**-0.5,
+                                       initial_state=state, output_final_state=True)
+            o[0, at] = o_s[:, 0]
+            for b, cache in enumerate(mine):
+                cache.state = state[b]
+        for b in segments.others:
+            span = segments.span(b)
+            state = caches[b].state[None] if caches is not None and caches[b].state is not None else None
+            o_b, state = chunk_kda(*(t[:, span] for t in (q, k, v, g, beta)), scale=D**-0.5, initial_state=state,
+                                   output_final_state=caches is not None)
+            o[:, span] = o_b
+            if caches is not None:
+                caches[b].state = state[0]
+        gate = torch.sigmoid(self.g_proj(x).float()).view(1, N, H, D)
         o = rms_norm(o, self.o_norm.weight, self.norm_eps) * gate
-        return self.o_proj(o.reshape(B, T, H * D).to(x.dtype))
+        return self.o_proj(o.reshape(1, N, H * D).to(x.dtype))
+
+    @staticmethod
+    def _conv_parts(t, conv, i, segments, caches):
+        """The short conv of projection i, per part: (None, the singles' outputs `[Bd, 1, C]`, their
+        new states, already stored) and (b, sequence b's outputs, its new state)."""
+        if segments.singles:
+            mine = [caches[b] for b in segments.singles]
+            state = _stacked([c.conv[i] for c in mine], (t.shape[-1], conv.kernel - 1), t)
+            y, new = conv(t[0, segments.single_positions][:, None], state)
+            for b, cache in enumerate(mine):
+                cache.conv[i] = new[b].clone()
+            yield None, y, None
+        for b in segments.others:
+            state = caches[b].conv[i][None] if caches is not None and caches[b].conv[i] is not None else None
+            y, new = conv(t[:, segments.span(b)], state)
+            yield b, y, new

@@ -7,9 +7,14 @@
     out = o_proj(attn * sigmoid(g_proj(x)))
 
 k_rot is one key shared by all heads and is never rotated (mla_use_nope). The cache holds only
-the per-token latent [c | k_rot] (kv_lora_rank + rope dims). A prompt (T > 1) is attended in the
-expanded form; a decode step (T == 1) in the absorbed form: q_nope is folded through kv_b's key
-half into latent space and the latent output through its value half, so nothing is expanded.
+the per-token latent [c | k_rot] (kv_lora_rank + rope dims), one buffer per sequence. A prompt
+(T > 1) is attended in the expanded form through `scaled_dot_product_attention` (flash kernels on
+CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cached prefix one block
+of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
+context: no `[H, T, S]` scores, no `[T, S]` mask. A decode step (T == 1) uses the absorbed
+form: q_nope is folded through kv_b's key half into latent space and the latent output through its
+value half, so nothing is expanded; the decode tokens of a batch's sequences (`textcore.segments`)
+attend together over the longest one's latents, each row masked to its own length.
 """
 
 from __future__ import annotations
@@ -17,15 +22,19 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from textcore.kda import RMSNorm, linear
+from textcore.segments import Segments
 
 log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_SCALE = 1.0  # the checkpoint ships no KV scales (kv_cache_scheme null)
 _warned_fp8 = False
+# Queries of a chunk after a cached prefix attended at once: each block's mask is [QUERY_CHUNK, S]
+QUERY_CHUNK = 256
 
 
 def _warn_fp8_once() -> None:
@@ -37,28 +46,58 @@ def _warn_fp8_once() -> None:
 
 
 class MLACache:
-    """Latent cache of one MLA layer: `[B, S, kv_lora_rank + rope]` plus which keys are padding."""
+    """One sequence's latents in one MLA layer: a `[capacity, kv_lora_rank + rope]` buffer filled up
+    to `length`. The buffer is allocated by the first append, `capacity` rows (a caller that reserved
+    its worst case never reallocates) or what that append needs; more rows double it."""
 
-    def __init__(self, dtype: torch.dtype | None = None):
+    def __init__(self, capacity: int = 0, dtype: torch.dtype | None = None):
         if dtype not in (None, torch.float8_e4m3fn):
             raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {dtype}")
         self.fp8 = dtype == torch.float8_e4m3fn
         if self.fp8:
             _warn_fp8_once()
-        self.latent: torch.Tensor | None = None
-        self.key_pad: torch.Tensor | None = None  # [B, S] True where the key is left padding
+        self.capacity = capacity
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
 
-    def append(self, latent: torch.Tensor, key_pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new latents; return all of them (as read back from the cache) in latent's dtype."""
+    def append(self, latent: torch.Tensor) -> None:
+        """Store `latent` `[T, dims]` after the rows already held."""
         stored = (latent.float() / FP8_SCALE).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) if self.fp8 else latent
-        self.latent = stored if self.latent is None else torch.cat([self.latent, stored], dim=1)
-        self.key_pad = key_pad if self.key_pad is None else torch.cat([self.key_pad, key_pad], dim=1)
-        everything = self.latent.float() * FP8_SCALE if self.fp8 else self.latent
-        return everything.to(latent.dtype), self.key_pad
+        end = self.length + latent.shape[0]
+        if self.buffer is None or end > self.buffer.shape[0]:
+            rows = max(end, self.capacity, 2 * (0 if self.buffer is None else self.buffer.shape[0]))
+            grown = stored.new_empty(rows, latent.shape[1])
+            if self.buffer is not None:
+                grown[:self.length] = self.buffer[:self.length]
+            self.buffer = grown
+        self.buffer[self.length:end] = stored
+        self.length = end
 
-    @property
-    def length(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+    def latents(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows held, `[length, dims]`, as read back from the cache, in `dtype`."""
+        held = self.buffer[:self.length]
+        return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
+
+    def clone(self) -> MLACache:
+        copy = MLACache.__new__(MLACache)
+        copy.fp8, copy.capacity, copy.length = self.fp8, self.capacity, self.length
+        copy.buffer = None if self.buffer is None else self.buffer.clone()
+        return copy
+
+    @staticmethod
+    def bytes_per_token(cfg, dtype: torch.dtype, latent_dtype: torch.dtype | None = None) -> int:
+        element = (latent_dtype or dtype).itemsize
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+
+
+def _stack_right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """`[B, max length, dims]` from `[length_b, dims]` tensors (a view for one), zeros after each."""
+    if len(rows) == 1:
+        return rows[0][None]
+    out = rows[0].new_zeros(len(rows), max(r.shape[0] for r in rows), rows[0].shape[1])
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
 
 
 class GatedMLA(nn.Module):
@@ -84,46 +123,74 @@ class GatedMLA(nn.Module):
         self.g_proj = lin(hidden, H * cfg.v_head_dim)  # sigmoid output gate
         self.o_proj = lin(H * cfg.v_head_dim, hidden)
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[B, T, hidden]`; pad_mask `[B, T]` True at left padding (those keys are never attended)."""
-        B, T, _ = x.shape
-        H = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
+    def forward(self, x: torch.Tensor, segments: Segments, caches: list[MLACache] | None = None) -> torch.Tensor:
+        """x `[1, N, hidden]`: the new tokens of `segments`' sequences end to end, which continue
+        `caches` (one per sequence, appended to) or, without caches, are whole sequences."""
+        H, N = self.num_heads, x.shape[1]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(1, N, H, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
-        c, k_rot = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
-        key_pad = pad_mask if pad_mask is not None else torch.zeros(B, T, dtype=torch.bool, device=x.device)
-        if cache is not None:
-            latent, key_pad = cache.append(latent, key_pad)
-        c_all, k_rot_all = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        S = latent.shape[1]
-        # query t sits at absolute position S - T + t; it sees keys <= itself that are not padding,
-        # and always itself (so a padding row stays finite; its output is never used)
-        q_pos = torch.arange(S - T, S, device=x.device)
-        k_pos = torch.arange(S, device=x.device)
-        visible = (k_pos[None, :] <= q_pos[:, None])[None] & ~key_pad[:, None, :]
-        visible = visible | (k_pos[None, :] == q_pos[:, None])[None]  # [B, T, S]
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)[0]  # [N, dims]
         w_kv = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
-        if T == 1 and cache is not None:
-            # absorbed: scores and values in latent space
-            q_lat = torch.einsum("bthn,hnc->bthc", q_nope.float(), w_kv[:, : self.nope].float())
-            scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all.float())
-            scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rot_all.float())
-            probs = self._softmax(scores, visible)
-            o_lat = torch.einsum("bhts,bsc->bthc", probs, c_all.float())
-            attn = torch.einsum("bthc,hvc->bthv", o_lat, w_kv[:, self.nope:].float())
-        else:
-            kv_up = self.kv_b_proj(c_all).view(B, S, H, self.nope + self.v_dim)
-            k_nope, v = kv_up.split([self.nope, self.v_dim], dim=-1)
-            scores = torch.einsum("bthn,bshn->bhts", q_nope.float(), k_nope.float())
-            scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rot_all.float())
-            probs = self._softmax(scores, visible)
-            attn = torch.einsum("bhts,bshv->bthv", probs, v.float())
-        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, self.v_dim)
-        return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim).to(x.dtype))
+        attn = x.new_empty(1, N, H, self.v_dim, dtype=torch.float32)
+        if segments.singles:
+            at = segments.single_positions
+            mine = [caches[b] for b in segments.singles]
+            starts = torch.tensor([cache.length for cache in mine], device=x.device)
+            for cache, row in zip(mine, latent[at], strict=True):
+                cache.append(row[None])
+            keys = _stack_right_padded([cache.latents(x.dtype) for cache in mine])
+            attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, starts, w_kv)[:, 0]
+        for b in segments.others:
+            span = segments.span(b)
+            start = 0
+            keys = latent[span]
+            if caches is not None:
+                start = caches[b].length
+                caches[b].append(keys)
+                keys = caches[b].latents(x.dtype)
+            attn[:, span] = self._expanded(q_nope[:, span], q_rope[:, span], keys[None], start)
+        gate = torch.sigmoid(self.g_proj(x).float()).view(1, N, H, self.v_dim)
+        return self.o_proj((attn * gate).reshape(1, N, H * self.v_dim).to(x.dtype))
 
-    def _softmax(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        scores = (scores * self.scale).masked_fill(~visible[:, None], float("-inf"))
-        return torch.softmax(scores, dim=-1)
+    def _absorbed(self, q_nope, q_rope, latent, starts, w_kv) -> torch.Tensor:
+        """One new token per sequence (row b at position starts[b]), in latent space: `[B, 1, H, v]`;
+        each row sees its own keys only (latent is right-padded to the longest)."""
+        c_all, k_rot_all = latent.float().split([self.kv_lora_rank, self.rope], dim=-1)
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope.float(), w_kv[:, :self.nope].float())
+        scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all)
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rot_all)
+        visible = torch.arange(latent.shape[1], device=latent.device)[None] <= starts[:, None]  # [B, S]
+        scores = (scores * self.scale).masked_fill(~visible[:, None, None], float("-inf"))
+        o_lat = torch.einsum("bhts,bsc->bthc", torch.softmax(scores, dim=-1), c_all)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_kv[:, self.nope:].float())
+
+    def _expanded(self, q_nope, q_rope, latent, start: int) -> torch.Tensor:
+        """One sequence's T tokens (positions start .. start + T) through SDPA: `[1, T, H, v]`. A
+        whole sequence (start 0) in one causal call; a chunk after a prefix QUERY_CHUNK queries at a
+        time, each block with its own `[block, S]` mask (SDPA's `is_causal` aligns the diagonal to
+        the first key, not the last).
+
+        The value is zero-padded to the query/key width: the CPU flash kernel (and CUDA's) takes
+        one head size for q, k and v, and otherwise falls back to the kernel that builds the scores."""
+        _, T, H = q_nope.shape[:3]
+        S = latent.shape[1]
+        c_all, k_rot_all = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c_all).view(1, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        width = self.nope + self.rope
+        q = torch.cat([q_nope, q_rope], dim=-1).float().transpose(1, 2)  # [1, H, T, width]
+        k = torch.cat([k_nope, k_rot_all[:, :, None].expand(1, S, H, self.rope)], dim=-1).float().transpose(1, 2)
+        v = F.pad(v.float(), (0, width - self.v_dim)).transpose(1, 2)
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            out = q.new_empty(1, H, T, width)
+            key_pos = torch.arange(S, device=q.device)
+            for first in range(0, T, QUERY_CHUNK):
+                last = min(T, first + QUERY_CHUNK)
+                seen = start + last  # no query of this block sees a key beyond this one
+                hidden = key_pos[None, :seen] > torch.arange(start + first, seen, device=q.device)[:, None]
+                mask = q.new_zeros(hidden.shape).masked_fill_(hidden, float("-inf"))  # additive: faster than bool
+                out[:, :, first:last] = F.scaled_dot_product_attention(
+                    q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
+        return out[..., :self.v_dim].transpose(1, 2)

@@ -2,7 +2,10 @@
 
 Forward, top to bottom: embed -> for each layer [AttnRes mix -> input RMSNorm -> KDA or gated MLA
 -> add to the stream; AttnRes mix -> post-attention RMSNorm -> dense SiTU FFN (layer 0) or Latent
-MoE -> add] -> output AttnRes mix -> RMSNorm -> lm_head.
+MoE -> add] -> output AttnRes mix -> RMSNorm -> lm_head. A forward runs the new tokens of several
+sequences laid end to end (`textcore.segments`), each continuing its own `SequenceCache`: `step`
+takes sequences of different lengths (decode tokens and prompt chunks together), `forward` a
+`[B, T]` batch.
 
 Module names equal the published checkpoint names (prefix `language_model.` in the multimodal
 layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoint keys:
@@ -24,6 +27,8 @@ layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -33,6 +38,7 @@ from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
 from textcore.mla import GatedMLA, MLACache
 from textcore.moe import LatentMoE, SiTUMLP
 from textcore.mxfp4 import apply_quantization_config
+from textcore.segments import Segments
 from vision.checkpoint import Checkpoint, CheckpointError
 
 MULTIMODAL_PREFIX = "language_model."
@@ -54,15 +60,45 @@ class Embedding(nn.Embedding):
         pass
 
 
-class TrunkCache:
-    """Decode state for a batch: per KDA layer conv + recurrent state, per MLA layer the latents."""
+class SequenceCache:
+    """One sequence's decode state: per KDA layer its conv inputs and recurrent state, per MLA layer
+    its latents (room for `capacity` tokens, allocated by its first token). `length`: tokens seen."""
 
-    def __init__(self, cfg: TextConfig, batch: int, latent_dtype: torch.dtype | None = None):
-        self.batch = batch
+    def __init__(self, cfg: TextConfig, capacity: int = 0, latent_dtype: torch.dtype | None = None):
         self.layers: list[KDACache | MLACache] = [
-            KDACache() if cfg.is_kda(i) else MLACache(latent_dtype) for i in range(cfg.num_hidden_layers)
+            KDACache() if cfg.is_kda(i) else MLACache(capacity, latent_dtype) for i in range(cfg.num_hidden_layers)
         ]
-        self.length = 0  # tokens seen per sequence (including left padding)
+        self.length = 0
+
+    def fork(self) -> SequenceCache:
+        """An independent copy (a second sequence continuing the same prompt)."""
+        copy = SequenceCache.__new__(SequenceCache)
+        copy.layers = [layer.clone() for layer in self.layers]
+        copy.length = self.length
+        return copy
+
+    @staticmethod
+    def worst_case_bytes(cfg: TextConfig, tokens: int, dtype: torch.dtype,
+                         latent_dtype: torch.dtype | None = None) -> int:
+        """What a sequence of `tokens` tokens holds at most: fixed KDA states plus MLA latents per token."""
+        mla = cfg.num_hidden_layers - len(cfg.kda_layers)
+        return len(cfg.kda_layers) * KDACache.nbytes(cfg) + mla * tokens * MLACache.bytes_per_token(
+            cfg, dtype, latent_dtype)
+
+
+class TrunkCache:
+    """The decode state of a batch: one `SequenceCache` per row, which that row's tokens continue.
+    Sequences of different lengths decode together; each keeps its own state between steps."""
+
+    def __init__(self, sequences: list[SequenceCache]):
+        self.sequences = sequences
+
+    @property
+    def batch(self) -> int:
+        return len(self.sequences)
+
+    def layer(self, i: int) -> list:
+        return [sequence.layers[i] for sequence in self.sequences]
 
 
 class DecoderLayer(nn.Module):
@@ -86,10 +122,10 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, stream: AttnResStream, cache, pad_mask: torch.Tensor | None) -> None:
+    def forward(self, stream: AttnResStream, segments: Segments, caches: list | None) -> None:
         stream.begin_layer(self.index)
         h = stream.mix(self.self_attention_res_norm, self.self_attention_res_proj)
-        stream.add(self.self_attn(self.input_layernorm(h), cache, pad_mask))
+        stream.add(self.self_attn(self.input_layernorm(h), segments, caches))
         h = stream.mix(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(self.post_attention_layernorm(h)))
 
@@ -104,11 +140,11 @@ class KimiLinearModel(nn.Module):
         self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.output_attn_res_proj = ResProj(cfg.hidden_size, dtype)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: TrunkCache | None = None,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, segments: Segments, cache: TrunkCache | None = None) -> torch.Tensor:
+        """`inputs_embeds` `[1, N, hidden]`: the new tokens of `segments`' sequences end to end."""
         stream = AttnResStream(inputs_embeds, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
-            layer(stream, cache.layers[i] if cache is not None else None, pad_mask)
+            layer(stream, segments, cache.layer(i) if cache is not None else None)
         return self.norm(stream.mix(self.output_attn_res_norm, self.output_attn_res_proj))
 
 
@@ -133,19 +169,23 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {int(ids.min())}..{int(ids.max())}")
         return self.model.embed_tokens(ids)
 
+    def new_sequence(self, capacity: int = 0, latent_dtype: torch.dtype | None = None) -> SequenceCache:
+        """A fresh sequence's cache with room for `capacity` tokens (more grow it). latent_dtype
+        torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
+        return SequenceCache(self.cfg, capacity, latent_dtype)
+
     def new_cache(self, batch: int, latent_dtype: torch.dtype | None = None) -> TrunkCache:
-        """latent_dtype torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
-        return TrunkCache(self.cfg, batch, latent_dtype)
+        """A batch of `batch` fresh sequences."""
+        return TrunkCache([self.new_sequence(latent_dtype=latent_dtype) for _ in range(batch)])
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: TrunkCache | None = None, pad_mask: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                cache: TrunkCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits `[B, T, vocab]` (fp32), or `[B, vocab]` for the last position with last_only.
 
-        Exactly one of input_ids `[B, T]` / inputs_embeds `[B, T, hidden]`. With a cache the tokens
-        continue the cached sequences. pad_mask `[B, T]` marks left padding (batched prompts of
-        different lengths): padded positions change no state and are never attended.
+        Exactly one of input_ids `[B, T]` / inputs_embeds `[B, T, hidden]`. With a cache, row b's T
+        tokens continue sequence b of the cache (whatever its length; a prompt chunk or one decode
+        token), and every sequence's state is updated; without one, each row is a whole sequence.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -155,14 +195,39 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {tuple(x.shape)}")
         if cache is not None and cache.batch != x.shape[0]:
             raise ValueError(f"cache is for batch {cache.batch}, inputs have batch {x.shape[0]}")
-        if pad_mask is not None and pad_mask.shape != x.shape[:2]:
-            raise ValueError(f"pad_mask must be [B, T] = {list(x.shape[:2])}; got {list(pad_mask.shape)}")
-        h = self.model(x.to(self.dtype), cache, pad_mask)
-        if cache is not None:
-            cache.length += x.shape[1]
+        B, T, hidden = x.shape
+        segments = Segments([T] * B, cache is not None, x.device)
+        h = self.model(x.to(self.dtype).reshape(1, B * T, hidden), segments, cache).view(B, T, hidden)
+        for sequence in cache.sequences if cache is not None else ():
+            sequence.length += T
         if last_only:
             h = h[:, -1]
         return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def step(self, chunks: Sequence[torch.Tensor], cache: TrunkCache,
+             head_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over sequences of different lengths: `chunks[b]`, token ids `[T_b]` or
+        embeddings `[T_b, hidden]`, continues `cache.sequences[b]` (a decode token, a prompt chunk).
+        All their tokens run through the per-token layers together; the next-token logits at each
+        chunk's last token, `[B, vocab]` (fp32), or `[B, len(head_ids)]`: only those ids' rows of the
+        head (the ids that can be sampled)."""
+        if len(chunks) != cache.batch:
+            raise ValueError(f"{len(chunks)} chunks for a cache of {cache.batch} sequences")
+        ids = [b for b, chunk in enumerate(chunks) if chunk.dim() == 1]
+        rows = list(chunks)
+        if ids:  # one embedding lookup for every chunk of ids
+            looked_up = self.embed_tokens(torch.cat([chunks[b] for b in ids]).to(self.device))
+            for b, part in zip(ids, looked_up.split([len(chunks[b]) for b in ids]), strict=True):
+                rows[b] = part
+        segments = Segments([len(r) for r in rows], True, self.device)
+        h = self.model(torch.cat([r.to(self.device, self.dtype) for r in rows])[None], segments, cache)
+        for sequence, n in zip(cache.sequences, segments.lengths, strict=True):
+            sequence.length += n
+        last = h[0, segments.last_positions()]
+        if head_ids is None:
+            return self.lm_head(last).float()
+        return torch.nn.functional.linear(last, self.lm_head.weight[head_ids]).float()
 
     # ---- checkpoints ----
     @classmethod
@@ -217,21 +282,21 @@ def _apply_quantization(model: nn.Module, quant: dict, prefix: str, ck) -> None:
     apply_quantization_config(model, effective, prefix)
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Deterministic weights in the ranges the trained model's tensors live in."""
+def init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Deterministic weights in the ranges the trained model's tensors live in, fp32, on the
+    generator's device."""
     leaf = name.rsplit(".", 2)[-2:]
+    device = gen.device
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(0.0, 2.5, generator=gen)  # exp(A_log) in [1, 12]
-    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias"):
-        return 0.5 * torch.randn(shape, generator=gen)
-    if "conv1d" in name:
-        return 0.5 * torch.randn(shape, generator=gen)
-    if "norm" in leaf[0]:
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
-    # linear weights [out, in] and the AttnRes score vectors [1, hidden]
-    return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+        return torch.empty(shape, device=device).uniform_(0.0, 2.5, generator=gen)  # exp(A_log) in [1, 12]
+    scale = 1.0
+    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias") or "conv1d" in name:
+        scale = 0.5
+    elif "norm" in leaf[0]:
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    elif not name.endswith("embed_tokens.weight"):  # linear weights [out, in], the AttnRes score vectors [1, hidden]
+        scale = shape[-1] ** -0.5
+    return torch.randn(shape, generator=gen, device=device) * scale
 
 
 def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -243,7 +308,7 @@ def random_weights(cfg: TextConfig, seed: int = 0, dtype: torch.dtype = torch.bf
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in sorted(model.state_dict().items()):
-        value = _init_tensor(name, tuple(t.shape), gen)
+        value = init_tensor(name, tuple(t.shape), gen)
         if name.endswith("A_log"):
             value[cfg.kda_num_heads:] = 0  # the published layout's padding
         out[prefix + name] = value.to(t.dtype)

@@ -152,8 +152,12 @@ _CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",), "cal
 class StreamParser:
     """Incremental parser of one assistant turn's token ids (see the module docstring)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, thinking: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, thinking: bool = True, skip_special_tokens: bool = True):
+        """`skip_special_tokens` False: a control token that is not structure (e.g. a stray
+        `<|media_pad|>` in text) is written into the text as its name instead of being dropped with a
+        `ProtocolError` (vLLM's skip_special_tokens; the markers of the grammar are never text)."""
         self._tokenizer = tokenizer
+        self._special_text = not skip_special_tokens
         self._stack = [_Element("message"), _Element("think" if thinking else "response")]
         self._mode = _TEXT
         self._text_ids: list[int] = []
@@ -197,7 +201,11 @@ class StreamParser:
             self._stop(token_id)
         else:
             self._tokenizer.decode_bytes([token_id])  # rejects ids outside the vocabulary
-            self._error(f"unexpected control token {self._name(token_id)} in text")
+            if self._special_text:
+                self._flush_text(final=False)
+                self._emit_text(self._name(token_id))
+            else:
+                self._error(f"unexpected control token {self._name(token_id)} in text")
 
     def _control_in_header(self, token_id: int) -> None:
         if token_id == SEP_ID:

@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from service.auth import ENV_VAR
-from service.engine import ChatInput, Engine, EngineConfig, GenerationResult, ImageInput
+from service.engine import ChatInput, Choice, Engine, EngineConfig, GenerationResult, ImageInput, Logprobs, TokenLogprob
 from service.errors import (
     KIND_METADATA,
     BadRequest,
@@ -187,7 +187,7 @@ class ServerBackend:
                 item = _engine_item(event)
                 if item is not None:
                     reply.add(item)
-        if reply.result is None:
+        if not reply.finished:
             raise Unavailable("server: the stream ended without a finish event")
         return reply
 
@@ -195,9 +195,14 @@ class ServerBackend:
         await self.client.close()
 
 
-def _engine_item(event: pb.GenerateEvent) -> p.Event | GenerationResult | None:
+def _engine_item(event: pb.GenerateEvent) -> Choice | None:
     """A GenerateEvent as the engine item it carries (the reverse of `service.rpc.convert.event`,
     for the items a `Reply` reads)."""
+    item = _item(event)
+    return None if item is None else Choice(event.index, item)
+
+
+def _item(event: pb.GenerateEvent) -> p.Event | Logprobs | GenerationResult | None:
     kind = event.WhichOneof("event")
     if kind == "content_delta":
         return p.ContentDelta(event.content_delta)
@@ -206,6 +211,11 @@ def _engine_item(event: pb.GenerateEvent) -> p.Event | GenerationResult | None:
     if kind == "tool_call_end":
         end = event.tool_call_end
         return p.ToolCallEnd(end.index, end.name, json.loads(end.arguments_json))
+    if kind == "logprobs":
+        def entry(e: pb.TokenLogprob) -> TokenLogprob:
+            return TokenLogprob(e.token_id, e.token, e.bytes, e.logprob)
+
+        return Logprobs(entry(event.logprobs.chosen), tuple(entry(e) for e in event.logprobs.top))
     if kind == "finish":
         finish, usage = event.finish, event.finish.usage
         reason = "stop" if finish.reason == pb.FINISH_REASON_STOP else "length"

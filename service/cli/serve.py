@@ -43,9 +43,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-worker", type=int, metavar="N",
                         help="torch and OpenCV threads in each encoder worker (default: the CPUs this process may "
                              "use, affinity and cgroup quota, split between the workers)")
-    parser.add_argument("--max-concurrency", type=int, default=4, metavar="N", help="requests working at once")
+    parser.add_argument("--max-concurrency", type=int, default=4, metavar="N",
+                        help="requests doing image work at once (Preprocess, CountTokens, Embed, Encode; a "
+                             "generation takes no slot: the trunk's scheduler runs generations together); default 4")
     parser.add_argument("--max-queue", type=int, default=32, metavar="N",
-                        help="requests waiting for a slot; beyond that RESOURCE_EXHAUSTED (default 32)")
+                        help="more requests admitted beyond those slots, generations included; beyond that "
+                             "RESOURCE_EXHAUSTED (default 32)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+                        help="sequences the trunk decodes together in one batch (a request's n counts n; 1: one "
+                             "sequence at a time); default 32")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                        help="tokens per trunk step: one per running sequence, the rest for prefill chunks, so a "
+                             "long prompt is prefilled over several steps (>= --max-num-seqs); default 512")
+    parser.add_argument("--kv-cache-memory-gb", type=float, metavar="GB",
+                        help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
+                             "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "
+                             "quarter of the trunk device's memory (CUDA: free after loading; CPU: physical)")
     parser.add_argument("--max-message-mb", type=int, default=64, metavar="MB",
                         help="largest request message, all its images together (default 64)")
     add_image_limit_arguments(parser, bounded_by="--max-message-mb")
@@ -98,10 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    for name in ("max_concurrency", "max_message_mb", "max_images", "threads_per_worker"):
+    for name in ("max_concurrency", "max_message_mb", "max_images", "threads_per_worker", "max_num_seqs",
+                 "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        return (f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs {args.max_num_seqs}: "
+                "every running sequence takes a token of each step")
+    if args.kv_cache_memory_gb is not None and not args.kv_cache_memory_gb > 0:
+        return f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}"
     if args.max_image_mb is not None and args.max_image_mb > args.max_message_mb:
         return (f"--max-image-mb {args.max_image_mb} is larger than --max-message-mb {args.max_message_mb}: every "
                 "image travels inside one request message; raise --max-message-mb or lower --max-image-mb")
@@ -217,6 +236,8 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
             max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=None if args.kv_cache_memory_gb is None else max(1, int(args.kv_cache_memory_gb * 2**30)),
         )
         return asyncio.run(serve(config, engine_config, on_ready=announce))
     except OSError as exc:

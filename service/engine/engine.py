@@ -8,10 +8,12 @@ miss its encoded bytes and that plan go to one encoder worker, which decodes, pr
 encodes it. An image refused here or by the worker gets the same error, prefixed with where the
 request holds it, and is counted once (`_named`).
 
-Where work runs: header reads, hashing and Preprocess's pixels on `cpu_executor` threads (Pillow
-and numpy release the GIL); decoding and the tower in the pool's worker processes; everything that
-touches the trunk on the single `trunk_executor` thread, so requests take turns on it instead of
-oversubscribing the cores. The event loop only moves bytes and futures.
+Where work runs: header reads, hashing, template rendering and Preprocess's pixels on `cpu_executor`
+threads (Pillow and numpy release the GIL); decoding and the tower in the pool's worker processes;
+everything that touches the trunk on the scheduler's single thread (`scheduler.py`: continuous
+batching of every running generation, chunked prefill, admission by KV-cache budget), so
+generations share each step instead of oversubscribing the cores. The event loop only moves bytes
+and futures.
 """
 
 from __future__ import annotations
@@ -41,16 +43,15 @@ from service.engine.allocator import KEEP_FREED_BYTES, keep_freed_memory
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
 from service.engine.pool import EncodeError, EncoderPool
+from service.engine.scheduler import Choice, GenerationResult, Job, Prompt, Scheduler, default_kv_cache_bytes
 from service.engine.vllm_ec import DEFAULT_MODEL_ID, HASH_ALGORITHMS, item_key, write_ec
 from service.errors import BadRequest, NotConfigured, TooLarge
 from service.metrics import Metrics
 from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
-from textcore.generate import generate as run_generation
 from textcore.model import KimiLinearForCausalLM
-from textcore.parser import Event, StreamParser
-from textcore.splice import Expanded, Span, expand_media_pads, position_ids, prompt_ids, splice_rows
-from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
+from textcore.splice import Span, expand_media_pads, position_ids, prompt_ids
+from textcore.tokenizer import MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
 from vision.checkpoint import Checkpoint
 from vision.decode import DEFAULT_LIMITS, Limits
 from vision.errors import ImageError
@@ -129,28 +130,6 @@ class Encoding:
 
 
 @dataclass(frozen=True)
-class GenerationResult:
-    """The last item `Engine.generate` yields."""
-
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int  # after expansion
-    image_tokens: int
-    completion_tokens: int
-
-
-class TrunkInput(NamedTuple):
-    """What the trunk prefills for a chat: the expanded prompt and its input rows."""
-
-    expanded: Expanded  # ids with each media_pad expanded, and each image's span
-    embeds: torch.Tensor  # [T, hidden]: token embeddings with each image span replaced by its rows
-    thinking: bool  # the generation prompt opens a think element (the parser starts inside it)
-
-
-class _Stopped(Exception):
-    """Raised on the trunk thread when the caller of a generation has gone away."""
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     checkpoint: str | os.PathLike[str]  # resolved by the caller (the CLI resolves the embedded default)
     devices: str = "auto"  # encoder pool: auto | cpu:N | cuda:0,1
@@ -175,17 +154,28 @@ class EngineConfig:
     # Prompt plus generated tokens of one request, as vLLM's --max-model-len (None: the trunk's
     # max_position_embeddings, the checkpoint's context length).
     max_model_len: int | None = None
+    # The trunk's scheduler (vLLM's names): sequences decoding together, tokens per engine step
+    # (decode tokens plus prefill chunks), and the budget of the admitted generations' worst-case
+    # caches (None: scheduler.KV_MEMORY_FRACTION of the trunk device's memory).
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.components not in COMPONENTS:
             raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {self.hash_algorithm!r}")
-        for name in ("max_images", "max_request_pixels", "cpu_threads"):
+        for name in ("max_images", "max_request_pixels", "cpu_threads", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a new one), got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence takes a token of each step")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
 def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
@@ -247,11 +237,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.pool = pool
         self.model = model
-        self._allowed_ids = None
         self.max_model_len = config.max_model_len  # None without the trunk: nothing is generated
         if model is not None:
-            decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
-            self._allowed_ids = None if bool(decodable.all()) else decodable
             context = model.cfg.max_position_embeddings
             if self.max_model_len is not None and self.max_model_len > context:
                 raise ValueError(f"max_model_len {self.max_model_len} is larger than the model's context length "
@@ -260,7 +247,19 @@ class Engine:
         self.cache: EmbedCache[ImageEmbedding] = EmbedCache(config.cache_bytes)
         self.metrics = metrics or Metrics()
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
-        self.trunk_executor = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-trunk")
+        self.scheduler: Scheduler | None = None
+        if model is not None:
+            decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
+            budget = config.kv_cache_bytes or default_kv_cache_bytes(model.device)
+            self.scheduler = Scheduler(model, tokenizer, max_num_seqs=config.max_num_seqs,
+                                       max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=budget,
+                                       allowed_ids=None if bool(decodable.all()) else decodable, metrics=self.metrics)
+            longest = self.scheduler.sequence_bytes(self.max_model_len)
+            if longest > budget:  # as vLLM refuses to start: one sequence of the model length must fit
+                self.scheduler.close()
+                raise ValueError(f"one sequence of the model length ({self.max_model_len:,} tokens) needs "
+                                 f"{longest:,} bytes of cache, over the KV cache budget of {budget:,} bytes: lower "
+                                 "--max-model-len or raise --kv-cache-memory-gb")
 
     @classmethod
     def load(cls, config: EngineConfig, metrics: Metrics | None = None) -> Engine:
@@ -285,15 +284,16 @@ class Engine:
                 first = pool.devices[0]
                 device, dtype = (first, torch.bfloat16) if first.startswith("cuda") else ("cpu", torch.float32)
                 model = KimiLinearForCausalLM.from_checkpoint(directory, dtype=dtype, device=device)
-        except BaseException:
+            return cls(config, tokenizer, pool, model, metrics)
+        except BaseException:  # a model that cannot load, or a configuration that cannot serve it
             pool.close()
             raise
-        return cls(config, tokenizer, pool, model, metrics)
 
     def close(self) -> None:
         self.pool.close()
         self.cpu_executor.shutdown(wait=False, cancel_futures=True)
-        self.trunk_executor.shutdown(wait=False, cancel_futures=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -442,15 +442,18 @@ class Engine:
         """The key vLLM files `image` under in its encoder cache (its uuid, else vLLM's mm_hash)."""
         return item_key(image.data, image.uuid, self.model_id, self.config.hash_algorithm)
 
-    def sampling(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None) -> SamplingParams:
-        """Sampling parameters (`max_new_tokens` None: up to the model length, as in vLLM);
-        `SamplingParams` checks the ranges (a `SamplingError`, bad input). A `max_new_tokens` no
-        prompt could fit under the model length is refused here, before anything is read."""
+    def sampling(self, max_new_tokens: int | None = None, **options: Any) -> SamplingParams:
+        """Sampling parameters (`max_new_tokens` None: up to the model length, as in vLLM;
+        `options`: the other `SamplingParams` fields); `SamplingParams` checks the ranges (a
+        `SamplingError`, bad input). A `max_new_tokens` no prompt could fit under the model length,
+        or more sequences than decode together, is refused here, before anything is read."""
         if max_new_tokens is not None and self.max_model_len is not None and max_new_tokens >= self.max_model_len:
             raise BadRequest(self._too_long(max_new_tokens, None))
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed)
+        params = SamplingParams(max_new_tokens=max_new_tokens, **options)
+        if params.n > self.config.max_num_seqs:
+            raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.config.max_num_seqs} "
+                             "(the n sequences of a request decode together)")
+        return params
 
     def _too_long(self, asked: int | None, prompt: int | None) -> str:
         """vLLM's words for a request over the model length (`prompt` None: not counted yet, at
@@ -476,49 +479,57 @@ class Engine:
             raise BadRequest(self._too_long(params.max_new_tokens, prompt_tokens))
         return params
 
-    async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Event | GenerationResult]:
-        """Prefill the spliced prompt and decode: yields each parser event as it happens (reasoning
-        and content deltas, tool calls, protocol errors), then one `GenerationResult`. Leaving early
-        (the caller stops iterating or is cancelled) stops the trunk at its next token."""
-        if self.model is None:
+    async def generate(self, chat: ChatInput, params: SamplingParams) -> AsyncIterator[Choice]:
+        """Prefill the spliced prompt and decode `params.n` replies in the trunk's batch: yields
+        `Choice` items as they happen (each reply's parser events: reasoning and content deltas,
+        tool calls, protocol errors; its tokens' `Logprobs` when asked for), each reply ending with
+        its `GenerationResult`. Leaving early (the caller stops iterating or is cancelled) takes the
+        replies out of the batch at the scheduler's next step and frees their caches."""
+        if self.scheduler is None:
             raise NotConfigured("this server runs the vision components only (components=vision): generation "
                                 "needs the trunk; serve with --components all")
         if chat.kwargs.get("add_generation_prompt") is False:
             raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
-        # The cost is known before any pixel is decoded: the prompt, its images counted from their headers.
+        # The cost is known before any pixel is decoded: the prompt, its images counted from their
+        # headers, against the model length and the KV budget.
+        params.check_vocab(self.model.cfg.vocab_size)
         with tracing.span("preprocess", images=len(chat.images)):
             prepared = await self.run_cpu(self._prepare, chat.images)
             prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
         params = self._fit(params, prompt_tokens.total)
+        scheduler = self.scheduler
+        need = scheduler.worst_case_bytes(prompt_tokens.total, params)
+        if need > scheduler.kv_cache_bytes:
+            raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens.total:,} prompt + "
+                           f"{params.max_new_tokens:,} new tokens)) is {need:,} bytes, over the server's KV cache "
+                           f"budget of {scheduler.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
+                           "prompt or ask for fewer tokens")
         embeddings = await self.embed(chat.images, prepared=prepared)
+        prompt = await self.run_cpu(self._prompt_input, chat, embeddings)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-        done = object()
+        items: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
-        def emit(event: Event) -> None:  # on the trunk thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def emit(item: Choice | BaseException | None) -> None:  # on the scheduler's thread
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+                loop.call_soon_threadsafe(items.put_nowait, item)
 
-        def finished(job: asyncio.Future) -> None:
-            events.put_nowait(done)
-            if not job.cancelled():
-                job.exception()  # retrieved here too: a caller that left early never awaits it
-
-        job = loop.run_in_executor(self.trunk_executor, self._generate, chat, embeddings, params, emit, cancelled)
-        job.add_done_callback(finished)
+        job = Job(prompt, params, emit)
+        completion = 0
         try:
-            with tracing.span("generate", max_new_tokens=params.max_new_tokens) as span:
-                while (event := await events.get()) is not done:
-                    yield event
-                result = await job
+            with tracing.span("generate", max_new_tokens=params.max_new_tokens, n=params.n) as span:
+                scheduler.submit(job)
+                while (item := await items.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if isinstance(item.item, GenerationResult):
+                        completion += item.item.completion_tokens
+                    yield item
                 if span is not None:
-                    span.set_attributes({"prompt_tokens": result.prompt_tokens,
-                                         "completion_tokens": result.completion_tokens})
+                    span.set_attributes({"prompt_tokens": len(prompt.ids), "completion_tokens": completion})
         finally:
-            cancelled.set()  # the trunk thread stops at its next token if we are leaving early
-        self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
-        self.metrics.tokens.labels(kind="generated").inc(result.completion_tokens)
-        yield result
+            job.cancelled.set()  # the scheduler drops the job at its next step if we are leaving early
+        self.metrics.tokens.labels(kind="prompt").inc(len(prompt.ids))
+        self.metrics.tokens.labels(kind="generated").inc(completion)
 
     # -- blocking parts (executor threads) ----------------------------------------------------------
 
@@ -572,36 +583,11 @@ class Engine:
         counts = [plan.num_tokens for plan in plans]
         return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)
 
-    @torch.inference_mode()
-    def _trunk_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> TrunkInput:
-        """The trunk's input for `chat` with its images' embeddings (blocking; needs the trunk)."""
-        model = self.model
+    def _prompt_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> Prompt:
+        """The trunk's prompt for `chat` with its images' embeddings (blocking)."""
         segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
         # The generation prompt ends `<|open|>think<|sep|>` or `<|open|>response<|sep|>`.
         thinking = len(segments) >= 2 and segments[-2].text == "think"
         ids = self.tokenizer.encode_segments(segments)
         expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
-        text = model.embed_tokens(torch.tensor(expanded.input_ids, dtype=torch.long, device=model.device))
-        return TrunkInput(expanded, splice_rows(text, expanded.spans, [e.rows for e in embeddings]), thinking)
-
-    @torch.inference_mode()
-    def _generate(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding], params: SamplingParams,
-                  emit: Callable[[Event], None], cancelled: threading.Event) -> GenerationResult:
-        expanded, embeds, thinking = self._trunk_input(chat, embeddings)
-        parser = StreamParser(self.tokenizer, thinking=thinking)
-
-        def on_token(_: int, token_id: int) -> None:
-            if cancelled.is_set():
-                raise _Stopped
-            for event in parser.feed([token_id]):
-                emit(event)
-
-        if cancelled.is_set():
-            raise _Stopped
-        (result,) = run_generation(self.model, inputs_embeds=[embeds], params=params, on_token=on_token,
-                                   allowed_ids=self._allowed_ids)
-        tail = parser.feed([END_OF_MSG_ID]) if result.finish_reason == "stop" else []
-        for event in tail + parser.close():
-            emit(event)
-        return GenerationResult(result.finish_reason, len(expanded.input_ids),
-                                sum(e.num_tokens for e in embeddings), len(result.tokens))
+        return Prompt(expanded.input_ids, expanded.spans, [e.rows for e in embeddings], thinking)

@@ -51,7 +51,7 @@ from starlette.requests import ClientDisconnect
 from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
-from service.engine import ChatInput, Encoding, Engine, GenerationResult, SamplingParams
+from service.engine import ChatInput, Choice, Encoding, Engine, GenerationResult, SamplingParams
 from service.engine.vllm_ec import transfer_params
 from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, failure_for
 from service.http.sglang import add_sglang_routes
@@ -271,7 +271,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         params = None if config.ec_producer else engine.sampling(chat_request.max_tokens, **chat_request.sampling)
         images = await fetcher(engine).fetch_all(chat_request.images)  # not holding a work slot
         chat = chat_request.chat_input(images)
-        engine = await stack.enter_async_context(ticket.work())
+        # A generation takes no work slot (the trunk's scheduler bounds generations); an encode does.
+        engine = await stack.enter_async_context(ticket.work(generation=not config.ec_producer))
         reply = await _answer(engine, chat_request, chat, params, config)
         if isinstance(reply, dict):
             return JSONResponse(reply)
@@ -393,7 +394,8 @@ def _encoded(encoding: Encoding, model: str, reply_id: str,
              request: ChatRequest) -> dict[str, Any] | AsyncIterator[str]:
     """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key."""
     reply = Reply()
-    reply.add(GenerationResult("length", len(encoding.input_ids), sum(e.num_tokens for e in encoding.embeddings), 0))
+    image_tokens = sum(e.num_tokens for e in encoding.embeddings)
+    reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), image_tokens, 0)))
     if request.stream:
         return _one_chunk(reply, model, reply_id, request.include_usage)
     body = completion(reply, model=model, request_id=reply_id)
@@ -404,31 +406,32 @@ def _encoded(encoding: Encoding, model: str, reply_id: str,
 async def _one_chunk(reply: Reply, model: str, reply_id: str, include_usage: bool) -> AsyncIterator[str]:
     """The streamed form: one chunk (the role, the finish reason; the usage if asked), then [DONE]."""
     usage = reply.usage() if include_usage else None
-    last = chunk({"role": "assistant", "content": ""}, model=model, request_id=reply_id, created=int(time.time()),
-                 finish_reason=reply.finish_reason, usage=usage)
+    part = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": reply.choices[0].finish_reason}
+    last = chunk([part], model=model, request_id=reply_id, created=int(time.time()), usage=usage)
     yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"
 
 
 async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model: str, reply_id: str,
                   include_usage: bool) -> AsyncIterator[str]:
+    """Each choice's chunks as its items come: the role first (as OpenAI streams begin), its deltas
+    (with the logprobs of their tokens), its finish reason; then the usage of all, then [DONE]."""
     created = int(time.time())
     reply = Reply()
 
-    def sse(obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def sse(choices: list[dict[str, Any]], **usage: Any) -> str:
+        body = chunk(choices, model=model, request_id=reply_id, created=created, **usage)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async with contextlib.aclosing(engine.generate(chat, params)) as items:
-        started = False
         async for item in items:
-            delta = reply.add(item)
-            if not started:  # the first event: the role, as OpenAI streams begin
-                started = True
-                yield sse(chunk({"role": "assistant", "content": ""}, model=model, request_id=reply_id,
-                                created=created))
-            if delta is not None:
-                yield sse(chunk(delta, model=model, request_id=reply_id, created=created))
-    yield sse(chunk({}, model=model, request_id=reply_id, created=created, finish_reason=reply.finish_reason))
+            if item.index not in reply.choices:
+                yield sse([{"index": item.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}])
+            part = reply.add(item)
+            if part is not None:
+                yield sse([part])
     if include_usage:
-        yield sse(chunk(None, model=model, request_id=reply_id, created=created, usage=reply.usage()))
+        yield sse([], usage=reply.usage())
     yield "data: [DONE]\n\n"

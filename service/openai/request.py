@@ -6,9 +6,11 @@ string or part-list content, assistant `tool_calls`, `reasoning_content`, tool r
 `image_url` part becomes `{"type": "image"}` and an `ImagePart` saying where its bytes are. The
 image bytes are fetched afterwards, by the face that knows what it may read (`images.py`).
 
-Every parameter a caller may send is either honoured, accepted at its neutral value (`n: 1`,
-`presence_penalty: 0`, ...), or refused with an error naming it: nothing is silently ignored. An EC
-producer, which samples nothing, takes every parameter of vLLM's chat API instead
+Every parameter a caller may send is either honoured (OpenAI's sampling parameters and vLLM's
+extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_tokens`, `ignore_eos`, ...),
+accepted at its neutral value (`parallel_tool_calls: true`), or refused with an error naming it:
+nothing is silently ignored. Here only the JSON types are checked; the ranges are `SamplingParams'`.
+An EC producer, which samples nothing, takes every parameter of vLLM's chat API instead
 (`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
 (those of the `openai` SDK's request types); a body may nest at most `MAX_JSON_DEPTH` levels
 (`parse_json` reads JSON text by the same rule, on every face).
@@ -26,11 +28,14 @@ from service.engine import ChatInput, ImageInput, SamplingParams
 from service.errors import BadRequest, Unsupported
 from textcore.chat import CHAT_KWARGS
 
-# Parameters that change the result and that the engine honours (besides messages and tools).
-SAMPLING = ("temperature", "top_p", "top_k", "seed")
+# Parameters that change the result and that the engine honours (besides messages and tools), by
+# JSON type; each is the `SamplingParams` field of the same name.
+NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INTEGERS = ("top_k", "n", "top_logprobs", "min_tokens")
+FLAGS = ("logprobs", "ignore_eos", "skip_special_tokens")
+SAMPLING = (*NUMBERS, *INTEGERS, *FLAGS, "seed", "stop", "stop_token_ids", "logit_bias")
 # Accepted at these values only (what the engine does anyway); another value is refused.
-NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-                           "parallel_tool_calls": True, "stop": None, "top_logprobs": 0}
+NEUTRAL: dict[str, Any] = {"parallel_tool_calls": True}
 # Accepted and without effect on the reply (who asked, what for).
 INERT = ("user", "metadata", "store", "service_tier")
 # OpenAI's own parameters that are chat-template keyword arguments (CHAT_KWARGS): passed to it as they are.
@@ -267,6 +272,53 @@ def _number(body: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _flag(body: Mapping[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_id(value: Any, key: str) -> int:
+    """A token id (the uint32 the gRPC wire carries); in the vocabulary is `SamplingParams`' check."""
+    if isinstance(value, str) and value.strip().isdigit():  # logit_bias keys: JSON object keys are strings
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**32 - 1:
+        raise BadRequest(f"{key} must hold token ids (integers from 0), got {value!r}")
+    return value
+
+
+def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling parameters `body` sets, as `SamplingParams` fields (types checked here)."""
+    out: dict[str, Any] = {key: value for key in NUMBERS if (value := _number(body, key)) is not None}
+    out |= {key: value for key in INTEGERS if (value := _int(body, key)) is not None}
+    out |= {key: value for key in FLAGS if (value := _flag(body, key)) is not None}
+    if (value := _int(body, "seed", minimum=0, maximum=2**64 - 1)) is not None:
+        out["seed"] = value
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
+        out["stop"] = stop
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise BadRequest(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        out["stop_token_ids"] = [_token_id(i, "stop_token_ids") for i in ids]
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise BadRequest(f"logit_bias must be an object of token id -> bias, got {bias!r}")
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise BadRequest(f"logit_bias[{key!r}] must be a number, got {value!r}")
+            out["logit_bias"][_token_id(key, "logit_bias")] = float(value)
+    return out
+
+
 def _image_part(part: Mapping[str, Any], where: str) -> ImagePart:
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, Mapping) else spec
@@ -317,7 +369,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
-        if value not in (None, neutral, [], ""):
+        if value not in (None, neutral):
             raise Unsupported(f"{key}={value!r} is not supported (only {neutral!r})")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -332,12 +384,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1)
-    sampling = {key: value for key in ("temperature", "top_p") if (value := _number(body, key)) is not None}
-    if (value := _int(body, "top_k")) is not None:
-        sampling["top_k"] = value
-    if (value := _int(body, "seed", minimum=0, maximum=2**64 - 1)) is not None:
-        sampling["seed"] = value
-    SamplingParams(**sampling)  # the ranges (a SamplingError), before any image is fetched
+    sampling = sampling_options(body)
+    # the ranges (a SamplingError), before any image is fetched (max_tokens absent: the model length's)
+    SamplingParams(**sampling, max_new_tokens=max_tokens)
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise BadRequest(f"stream must be true or false, got {stream!r}")

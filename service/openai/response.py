@@ -1,10 +1,12 @@
 """Engine results -> OpenAI chat-completions objects, in vLLM's shape.
 
-`Reply` gathers what `Engine.generate` yields into one assistant message: the content, the
-reasoning text (in `reasoning`, the field vLLM's OpenAI server uses for it), tool calls, the finish
-reason and the usage (prompt tokens after media_pad expansion). `completion` makes the
+`Reply` gathers what `Engine.generate` yields for one request: one `ChoiceReply` per choice (its
+content, the reasoning text in `reasoning`, the field vLLM's OpenAI server uses for it, tool calls,
+the `logprobs.content` entries when asked for, the finish reason) and the usage (prompt tokens after
+media_pad expansion, once; completion tokens of all choices). `completion` makes the
 `chat.completion` body; `chunk` one `chat.completion.chunk` of a stream (`Reply.add` gives the
-delta of each item); `error_body` the error object, with the status the error taxonomy gives.
+chunk's choice for each item); `error_body` the error object, with the status the error taxonomy
+gives.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine import GenerationResult
+from service.engine import Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import Failure, Kind
 from textcore import parser as p
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's logprob for a token too unlikely to have one (JSON has no -inf)
 
 # OpenAI's error `type` for each kind (the HTTP status is the taxonomy's).
 ERROR_TYPES = {
@@ -39,18 +43,42 @@ def new_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _logprob(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": max(entry.logprob, LOGPROB_FLOOR), "bytes": list(entry.bytes)}
+
+
+def logprobs_entry(logprobs: Logprobs) -> dict[str, Any]:
+    """One token of OpenAI's `choices[].logprobs.content`."""
+    return {**_logprob(logprobs.chosen), "top_logprobs": [_logprob(e) for e in logprobs.top]}
+
+
 @dataclass
-class Reply:
+class ChoiceReply:
+    """One choice: what its items said, and its result."""
+
+    index: int
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None  # the `logprobs.content` entries, when asked for
     result: GenerationResult | None = None
+    _unsent: list[dict[str, Any]] = field(default_factory=list)  # logprobs not yet in a chunk
 
-    def add(self, item: p.Event | GenerationResult) -> dict[str, Any] | None:
-        """Take one item of `Engine.generate`; return its streaming delta (None: nothing to send)."""
+    def add(self, item: p.Event | Logprobs | GenerationResult) -> dict[str, Any] | None:
+        """Take one item; return its streaming choice (`index`, `delta`, `logprobs`, `finish_reason`)
+        or None (nothing to send yet). A token's logprobs go out with the next chunk of its choice."""
+        if isinstance(item, Logprobs):
+            entry = logprobs_entry(item)
+            self.logprobs = (self.logprobs or []) + [entry]
+            self._unsent.append(entry)
+            return None
         if isinstance(item, GenerationResult):
             self.result = item
-            return None
+            return self._part({}, self.finish_reason)
+        delta = self._delta(item)
+        return None if delta is None else self._part(delta, None)
+
+    def _delta(self, item: p.Event) -> dict[str, Any] | None:
         if isinstance(item, p.ContentDelta):
             self.content += item.text
             return {"content": item.text}
@@ -64,9 +92,17 @@ class Reply:
             return {"tool_calls": [{"index": len(self.tool_calls) - 1, **call}]}
         return None  # tool-call progress (sent whole at its end), protocol errors, Stop
 
+    def _part(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        sent, self._unsent = self._unsent, []
+        return {"index": self.index, "delta": delta, "logprobs": self._logprobs_object(sent),
+                "finish_reason": finish_reason}
+
+    def _logprobs_object(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        return None if self.logprobs is None else {"content": entries or [], "refusal": None}
+
     @property
     def finish_reason(self) -> str:
-        assert self.result is not None, "the generation has not finished"
+        assert self.result is not None, "the choice has not finished"
         if self.result.finish_reason == "stop" and self.tool_calls:
             return "tool_calls"
         return self.result.finish_reason
@@ -78,29 +114,52 @@ class Reply:
             out["tool_calls"] = self.tool_calls
         return out
 
+    def as_choice(self) -> dict[str, Any]:
+        """This choice in a `chat.completion`."""
+        return {"index": self.index, "message": self.message(), "logprobs": self._logprobs_object(self.logprobs),
+                "finish_reason": self.finish_reason}
+
+
+@dataclass
+class Reply:
+    """All choices of one request, by index."""
+
+    choices: dict[int, ChoiceReply] = field(default_factory=dict)
+
+    def add(self, choice: Choice) -> dict[str, Any] | None:
+        """Take one item of `Engine.generate`; return its streaming choice, or None."""
+        if choice.index not in self.choices:
+            self.choices[choice.index] = ChoiceReply(choice.index)
+        return self.choices[choice.index].add(choice.item)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has its result (a generation that ended early has none)."""
+        return bool(self.choices) and all(c.result is not None for c in self.choices.values())
+
     def usage(self) -> dict[str, int]:
-        assert self.result is not None, "the generation has not finished"
-        r = self.result
-        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                "total_tokens": r.prompt_tokens + r.completion_tokens}
+        assert self.finished, "the generation has not finished"
+        results = [c.result for c in self.choices.values()]
+        prompt, completion_tokens = results[0].prompt_tokens, sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
 
 
 def completion(reply: Reply, *, model: str, request_id: str, created: int | None = None) -> dict[str, Any]:
-    """A `chat.completion` object."""
+    """A `chat.completion` object, its choices indexed 0..n-1."""
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{"index": 0, "message": reply.message(), "logprobs": None, "finish_reason": reply.finish_reason}],
+        "choices": [reply.choices[i].as_choice() for i in sorted(reply.choices)],
         "usage": reply.usage(),
     }
 
 
-def chunk(delta: dict[str, Any] | None, *, model: str, request_id: str, created: int,
-          finish_reason: str | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """A `chat.completion.chunk` object (no choice at all when `delta` is None: the usage chunk)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+def chunk(choices: list[dict[str, Any]], *, model: str, request_id: str, created: int,
+          usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A `chat.completion.chunk` object (no choice at all: the usage chunk)."""
     out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": choices}
     if usage is not None:

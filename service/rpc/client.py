@@ -222,7 +222,8 @@ class VisionClient:
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
                  chat_kwargs: dict | None = None, timeout: float | None = None) -> Iterator[pb.GenerateEvent]:
-        """Stream of events; the last one carries `finish`. `sampling`: temperature, top_p, top_k, seed."""
+        """Stream of events; each reply (`index`) ends with its `finish`. `sampling`: the `Sampling` fields
+        (temperature, top_p, top_k, seed, stop, n, logprobs, the penalties, logit_bias, ...)."""
         req = generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
         return self.stub.Generate(req, timeout=self._t(timeout))
 

@@ -11,7 +11,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine import ChatInput, Engine, GenerationResult, ImageInput, SamplingParams
+from service.engine import (
+    ChatInput,
+    Choice,
+    Engine,
+    GenerationResult,
+    ImageInput,
+    Logprobs,
+    SamplingParams,
+    TokenLogprob,
+)
 from service.errors import BadRequest, Unsupported
 from service.openai.request import parse_json
 from service.rpc._proto import vision_pb2 as pb
@@ -96,9 +105,17 @@ def chat_input(messages: Sequence[pb.ChatMessage], tools_json: str, thinking_eff
 
 
 def sampling(engine: Engine, request: pb.GenerateRequest) -> SamplingParams:
+    """The request's `Sampling` as `SamplingParams` (a field's zero, or its absence for the optional
+    ones, is its neutral value)."""
     s = request.sampling
-    return engine.sampling(request.max_new_tokens or None, temperature=s.temperature, top_p=s.top_p or 1.0,
-                           top_k=s.top_k, seed=s.seed if s.HasField("seed") else None)
+    return engine.sampling(
+        request.max_new_tokens or None, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        n=s.n or 1, logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias),
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True)
 
 
 def out_dtype(name: str) -> str:
@@ -135,8 +152,21 @@ def chunks(data: bytes) -> list[memoryview]:
     return [view[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
 
-def event(item: p.Event | GenerationResult) -> pb.GenerateEvent | None:
+def _logprob(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token=entry.token, bytes=entry.bytes, logprob=entry.logprob, token_id=entry.token_id)
+
+
+def event(choice: Choice) -> pb.GenerateEvent | None:
     """An item of `Engine.generate` as a GenerateEvent (None for events the wire does not carry)."""
+    message = _event(choice.item)
+    if message is not None:
+        message.index = choice.index
+    return message
+
+
+def _event(item: p.Event | Logprobs | GenerationResult) -> pb.GenerateEvent | None:
+    if isinstance(item, Logprobs):
+        return pb.GenerateEvent(logprobs=pb.Logprobs(chosen=_logprob(item.chosen), top=[_logprob(e) for e in item.top]))
     if isinstance(item, GenerationResult):
         return pb.GenerateEvent(finish=pb.Finish(
             reason=_FINISH[item.finish_reason],

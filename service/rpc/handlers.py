@@ -17,8 +17,9 @@ from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from vision.options import DEFAULT_OPTIONS
 
-# Admission and the error mapping around one RPC's body, yielding the engine (`GrpcFace.call`).
-Call = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[Engine]]
+# Admission and the error mapping around one RPC's body, yielding the engine (`GrpcFace.call`;
+# `generation=True` for Generate, which the trunk's scheduler bounds instead of a work slot).
+Call = Callable[..., AbstractAsyncContextManager[Engine]]
 
 
 class VisionService(pb_grpc.VisionServiceServicer):
@@ -93,7 +94,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
-        async with self._call(context) as engine:
+        async with self._call(context, generation=True) as engine:
             chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
                                       request.chat_kwargs_json)
             params = convert.sampling(engine, request)

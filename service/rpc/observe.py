@@ -70,6 +70,7 @@ class _Rpc:
         self.request_bytes = request_bytes
         self.response_bytes: int | None = None
         self.start = time.perf_counter()
+        self.peer = "?"
 
 
 class RpcObserver(grpc.aio.ServerInterceptor):
@@ -81,6 +82,9 @@ class RpcObserver(grpc.aio.ServerInterceptor):
     @contextlib.contextmanager
     def _observe(self, rpc: _Rpc, context: grpc.aio.ServicerContext) -> Iterator[_Rpc]:
         REQUEST_ID.set(rpc.request_id)  # this call's task only (no reset needed: the task ends with the call)
+        # Read while the call is surely alive: grpc.aio's peer() on a call its deadline or the client
+        # has just ended could crash the process (seen as a segfault in _end).
+        rpc.peer = context.peer()
         context.set_trailing_metadata(((REQUEST_ID_KEY, rpc.request_id),))
         self._metrics.grpc_start(rpc.grpc_type, rpc.service, rpc.name)
         health = rpc.method.startswith(HEALTH_METHODS)
@@ -106,7 +110,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         self._metrics.grpc_end(rpc.grpc_type, rpc.service, rpc.name, code, seconds)
         if not logged:
             return
-        log_access(self._log, request_id=rpc.request_id, method=rpc.method, peer=context.peer(), status_name="code",
+        log_access(self._log, request_id=rpc.request_id, method=rpc.method, peer=rpc.peer, status_name="code",
                    status=code.name, seconds=seconds, request_bytes=rpc.request_bytes,
                    response_bytes=rpc.response_bytes)
 

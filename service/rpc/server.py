@@ -4,7 +4,8 @@ then the configured ones: the token check, the protobuf guard). The serving proc
 (`service.server`) starts it beside the HTTP face and tells it the health state; it reaches the
 engine only through `Admission`.
 
-Every RPC's body runs inside `call`: admission (the serving state, then a work slot), and every
+Every RPC's body runs inside `call`: admission (the serving state, then a work slot; a Generate
+takes none, the trunk's scheduler bounds generations), and every
 failure becomes a status in one place (through `service.errors`), the failure's kind beside the
 request id in the trailing metadata. Cancellation (client gone, deadline passed) cancels the
 handler task; the engine notices at its next check.
@@ -106,13 +107,13 @@ class GrpcFace:
         self._servers.clear()
 
     @contextlib.asynccontextmanager
-    async def call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[Engine]:
+    async def call(self, context: grpc.aio.ServicerContext, *, generation: bool = False) -> AsyncIterator[Engine]:
         """Admission and the error mapping around one RPC's body (its metrics and log line: the observer)."""
         try:
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise errors.DeadlineExceeded("deadline already passed")
-            async with self.admission.admit() as engine:
+            async with self.admission.admit(generation=generation) as engine:
                 yield engine
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
             failure = errors.failure_for(exc)

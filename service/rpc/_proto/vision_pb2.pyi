@@ -191,16 +191,47 @@ class EmbedChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[EmbedHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    ignore_eos: bool
+    logit_bias: _containers.ScalarMap[int, float]
+    skip_special_tokens: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("messages", "tools_json", "thinking_effort", "max_new_tokens", "sampling", "chat_kwargs_json")
@@ -280,8 +311,28 @@ class Finish(_message.Message):
     usage: Usage
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "bytes", "logprob", "token_id")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    bytes: bytes
+    logprob: float
+    token_id: int
+    def __init__(self, token: _Optional[str] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., token_id: _Optional[int] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("chosen", "top")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    chosen: TokenLogprob
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, chosen: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
-    __slots__ = ("reasoning_delta", "content_delta", "tool_call_start", "argument_delta", "argument_error", "finish", "tool_call_end", "protocol_error")
+    __slots__ = ("reasoning_delta", "content_delta", "tool_call_start", "argument_delta", "argument_error", "finish", "tool_call_end", "protocol_error", "logprobs", "index")
     REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_START_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +341,8 @@ class GenerateEvent(_message.Message):
     FINISH_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_END_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     reasoning_delta: str
     content_delta: str
     tool_call_start: ToolCallStart
@@ -298,7 +351,9 @@ class GenerateEvent(_message.Message):
     finish: Finish
     tool_call_end: ToolCallEnd
     protocol_error: str
-    def __init__(self, reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., tool_call_start: _Optional[_Union[ToolCallStart, _Mapping]] = ..., argument_delta: _Optional[_Union[ToolArgumentDelta, _Mapping]] = ..., argument_error: _Optional[_Union[ToolArgumentError, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., tool_call_end: _Optional[_Union[ToolCallEnd, _Mapping]] = ..., protocol_error: _Optional[str] = ...) -> None: ...
+    logprobs: Logprobs
+    index: int
+    def __init__(self, reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., tool_call_start: _Optional[_Union[ToolCallStart, _Mapping]] = ..., argument_delta: _Optional[_Union[ToolArgumentDelta, _Mapping]] = ..., argument_error: _Optional[_Union[ToolArgumentError, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., tool_call_end: _Optional[_Union[ToolCallEnd, _Mapping]] = ..., protocol_error: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("messages", "tools_json", "thinking_effort", "chat_kwargs_json", "dtype", "export_vllm_ec")

@@ -1,0 +1,399 @@
+"""The trunk's scheduler: continuous batching, chunked prefill and admission by KV-cache budget.
+
+One thread owns the trunk and runs engine steps. Each step:
+
+1. drops the sequences whose caller left (their caches are freed at once);
+2. admits waiting generations in arrival order while each one's worst-case cache (n sequences of
+   prompt + max_new_tokens tokens, `SequenceCache.worst_case_bytes`) fits the KV budget and the
+   batch stays within `max_num_seqs`; the first that does not fit waits, and so do those behind it;
+3. runs one forward (`KimiLinearForCausalLM.step`): a token of every running sequence, and prefill
+   chunks of the admitted prompts, oldest first, in the rest of the step's `max_num_batched_tokens`,
+   so a long prompt never stalls the running streams for its whole prefill. All of the step's
+   tokens go through the per-token layers together (the routed experts see them in one MoE call).
+   The running sequences sample their next token; a prompt whose last chunk is in is forked into
+   its n sequences, which sample their first token and run from the next step.
+
+Each sequence has its own cache, sampler (seeded `seed + index`), output parser and stop strings,
+so batching changes no sequence's tokens. What a sequence produces goes back to its caller as
+`Choice` items through the job's `emit`, called on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from service.metrics import Metrics
+from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
+from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
+from textcore.parser import Event, StreamParser
+from textcore.splice import Span, splice_rows
+from textcore.stops import StopStrings
+from textcore.tokenizer import END_OF_MSG_ID, Tokenizer
+
+log = logging.getLogger(__name__)
+
+KV_MEMORY_FRACTION = 0.25  # default KV budget: this share of the trunk device's memory (CUDA: free after loading)
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The KV budget when none is configured: a share of the device's free memory (CUDA) or of the
+    machine's physical memory (CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * KV_MEMORY_FRACTION)
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_FRACTION)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The last item of each choice of `Engine.generate`."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int  # after expansion
+    image_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # its text (a character cut in half by the tokenizer shows as U+FFFD)
+    bytes: bytes  # its exact bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """One sampled token's log-probability and the most likely tokens at its position."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+class Choice(NamedTuple):
+    """An item of `Engine.generate`: which of the request's n replies (0-based) and what: a parser
+    event, a token's `Logprobs` (before the events of its text), or the reply's `GenerationResult`."""
+
+    index: int
+    item: Event | Logprobs | GenerationResult
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A chat ready for the trunk: the expanded ids, each image's span and rows."""
+
+    ids: list[int]
+    spans: list[Span]
+    rows: list[torch.Tensor]
+    thinking: bool  # the generation prompt opens a think element (the parser starts inside it)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(span.length for span in self.spans)
+
+
+# What a job's emit receives: its choices' items, then None (every choice ended) or the exception
+# that ended the job.
+Emit = Callable[[Choice | BaseException | None], None]
+
+
+@dataclass
+class Job:
+    """One generation request: `params.n` sequences continuing `prompt`. The caller sets
+    `cancelled` when it leaves; the scheduler then drops the job at its next step."""
+
+    prompt: Prompt
+    params: SamplingParams
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # set by the scheduler
+    sequence_bytes: int = 0  # one sequence's worst-case cache
+    open: int = 0  # sequences still running
+    ended: bool = False  # the caller has heard the end (None or an exception)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        if not self.ended:
+            self.ended = True
+            self.emit(exc)
+
+
+def trunk_embeds(model: KimiLinearForCausalLM, prompt: Prompt) -> torch.Tensor:
+    """The trunk's input rows `[T, hidden]`: token embeddings with each image span replaced by its rows."""
+    ids = torch.tensor(prompt.ids, dtype=torch.long, device=model.device)
+    return splice_rows(model.embed_tokens(ids), prompt.spans, prompt.rows)
+
+
+class _Prefill:
+    """An admitted job whose prompt is going into its (first) cache, chunk by chunk."""
+
+    def __init__(self, job: Job, model: KimiLinearForCausalLM, latent_dtype: torch.dtype | None) -> None:
+        self.job = job
+        self.embeds = trunk_embeds(model, job.prompt)
+        self.cache = model.new_sequence(len(job.prompt.ids) + job.params.max_new_tokens, latent_dtype)
+        self.done = 0
+
+
+class _Sequence:
+    """One running sequence: its cache, sampler, parser and stop strings."""
+
+    def __init__(self, job: Job, index: int, cache: SequenceCache, sampler: Sampler, tokenizer: Tokenizer) -> None:
+        self.job = job
+        self.index = index
+        self.cache: SequenceCache | None = cache
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.parser = StreamParser(tokenizer, thinking=job.prompt.thinking,
+                                   skip_special_tokens=job.params.skip_special_tokens)
+        self.stops = StopStrings(job.params.stop)
+        self.last = -1
+        self.finished = False
+
+    def accept(self, sample: Sample) -> None:
+        """Take the sampled token: report it (logprobs, then the text it completes) and finish the
+        sequence at a stop token, a stop string or its length."""
+        reason = self.sampler.take(sample.token_id)
+        if reason == "stop":  # a stop token is not part of the reply; <|end_of_msg|> ends the parser's turn
+            events = self.parser.feed([END_OF_MSG_ID]) if sample.token_id == END_OF_MSG_ID else []
+        else:
+            self.last = sample.token_id
+            if sample.logprobs is not None:
+                self._emit(self._logprobs(sample.logprobs))
+            events = self.parser.feed([sample.token_id])
+        released = self.stops.feed(events, search=len(self.sampler.tokens) > self.job.params.min_tokens)
+        if self.stops.matched is not None:
+            reason = "stop"
+        elif reason is not None:
+            released += self.stops.feed(self.parser.close())
+            released += self.stops.flush()
+        for event in released:
+            self._emit(event)
+        if reason is not None:
+            prompt = self.job.prompt
+            self._emit(GenerationResult(reason, len(prompt.ids), prompt.image_tokens, len(self.sampler.tokens)))
+            self.finished = True
+
+    def _emit(self, item: Event | Logprobs | GenerationResult) -> None:
+        self.job.emit(Choice(self.index, item))
+
+    def _logprobs(self, raw: TokenLogprobs) -> Logprobs:
+        def entry(token_id: int, logprob: float) -> TokenLogprob:
+            data = self.tokenizer.decode_bytes([token_id])
+            return TokenLogprob(token_id, data.decode("utf-8", errors="replace"), data, logprob)
+
+        return Logprobs(entry(raw.token_id, raw.logprob), tuple(entry(i, lp) for i, lp in raw.top))
+
+
+class Scheduler:
+    """The thread that owns the trunk (see the module docstring). `submit` and `close` may be called
+    from any thread; everything else runs on the scheduler's own."""
+
+    def __init__(self, model: KimiLinearForCausalLM, tokenizer: Tokenizer, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, kv_cache_bytes: int, allowed_ids: torch.Tensor | None = None,
+                 latent_dtype: torch.dtype | None = None, metrics: Metrics | None = None) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs; got {max_num_seqs} "
+                             f"and {max_num_batched_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_bytes = kv_cache_bytes
+        self.latent_dtype = latent_dtype
+        self.metrics = metrics
+        self._space = TokenSpace(model.cfg.vocab_size, allowed_ids, model.device)  # what may be sampled
+        self._wake = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._prefilling: list[_Prefill] = []
+        self._running: list[_Sequence] = []
+        self.reserved_bytes = 0  # worst-case caches of the admitted jobs
+        self.last_batch = 0  # sequences in the last decode step
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kimi-vision-trunk", daemon=True)
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """What one sequence of `tokens` tokens holds (its cache, sized once for them)."""
+        return SequenceCache.worst_case_bytes(self.model.cfg, tokens, self.model.dtype, self.latent_dtype)
+
+    def worst_case_bytes(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """What a job's n sequences may hold at most."""
+        return params.n * self.sequence_bytes(prompt_tokens + params.max_new_tokens)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (the caller has checked that its worst case fits the budget at all)."""
+        job.sequence_bytes = self.worst_case_bytes(len(job.prompt.ids), job.params) // job.params.n
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._waiting.append(job)
+            self._wake.notify()
+
+    @property
+    def idle(self) -> bool:
+        """No generation waiting, prefilling or running."""
+        return not (self._waiting or self._prefilling or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        """Stop after the current step; generations still open end with an error."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # -- the scheduler's thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and self.idle:
+                    self._wake.wait()
+                if self._closed:
+                    break
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the server
+                log.exception("trunk step failed")
+                for job in self._jobs():
+                    job.end(exc)
+                self._reset()
+        closed = RuntimeError("the engine was closed while the generation ran")
+        for job in self._jobs():
+            job.end(closed)
+        self._reset()
+
+    def _jobs(self) -> list[Job]:
+        jobs = {id(j): j for j in [*self._waiting, *(p.job for p in self._prefilling), *(s.job for s in self._running)]}
+        return list(jobs.values())
+
+    def _reset(self) -> None:
+        with self._wake:
+            self._waiting.clear()
+        self._prefilling, self._running, self.reserved_bytes = [], [], 0
+        self._report()
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        batch = self._running
+        budget = self.max_num_batched_tokens - len(batch)
+        chunks: list[tuple[_Prefill, int]] = []
+        for prefill in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, len(prefill.job.prompt.ids) - prefill.done)
+            chunks.append((prefill, take))
+            budget -= take
+        self.last_batch = len(batch)
+        if batch or chunks:
+            self._forward(batch, chunks)
+        self._report()
+
+    def _forward(self, batch: list[_Sequence], chunks: list[tuple[_Prefill, int]]) -> None:
+        """One forward of the step: a token for every running sequence and the prompt chunks; the
+        running ones sample their next token, a prompt whose last chunk this was starts."""
+        inputs = [torch.tensor([s.last], device=self.model.device) for s in batch]
+        inputs += [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks]
+        caches = [s.cache for s in batch] + [prefill.cache for prefill, _ in chunks]
+        try:
+            logits = self.model.step(inputs, TrunkCache(caches), head_ids=self._space.ids)
+            samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch])
+        except Exception as exc:  # noqa: BLE001 - the step's jobs fail; the scheduler goes on
+            log.exception("trunk step failed")
+            for sequence in batch:
+                sequence.job.end(exc)
+                self._finish(sequence)
+            for prefill, _ in chunks:
+                self._prefilling.remove(prefill)
+                self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+                prefill.job.end(exc)
+            self._running = [s for s in self._running if not s.finished]
+            return
+        for sequence, sample in zip(batch, samples, strict=True):
+            sequence.accept(sample)
+            if sequence.finished:
+                self._finish(sequence)
+        self._running = [s for s in batch if not s.finished]
+        for (prefill, take), row in zip(chunks, logits[len(batch):], strict=True):
+            prefill.done += take
+            if prefill.done == len(prefill.job.prompt.ids):
+                self._prefilling.remove(prefill)
+                self._start(prefill, row[None])
+
+    def _drop_cancelled(self) -> None:
+        for sequence in self._running:
+            if sequence.job.cancelled.is_set():
+                self._finish(sequence)
+        self._running = [s for s in self._running if not s.finished]
+        for prefill in [p for p in self._prefilling if p.job.cancelled.is_set()]:
+            self._prefilling.remove(prefill)
+            self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+        with self._wake:
+            self._waiting = deque(job for job in self._waiting if not job.cancelled.is_set())
+
+    def _admit(self) -> None:
+        while True:
+            with self._wake:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]
+                need = job.params.n * job.sequence_bytes
+                seqs = len(self._running) + sum(p.job.params.n for p in self._prefilling) + job.params.n
+                if seqs > self.max_num_seqs or self.reserved_bytes + need > self.kv_cache_bytes:
+                    return
+                self._waiting.popleft()
+            self.reserved_bytes += need
+            try:
+                self._prefilling.append(_Prefill(job, self.model, self.latent_dtype))
+            except Exception as exc:  # noqa: BLE001 - this job's input (e.g. an id outside the vocabulary)
+                self.reserved_bytes -= need
+                job.end(exc)
+
+    def _start(self, prefill: _Prefill, logits: torch.Tensor) -> None:
+        """The prompt is in: fork its cache into the job's n sequences, each samples its first token."""
+        job, params = prefill.job, prefill.job.params
+        caches = [prefill.cache] + [prefill.cache.fork() for _ in range(params.n - 1)]
+        samplers = [Sampler(params, self._space, self.model.device, prompt_ids=job.prompt.ids, seed=params.seed_of(i))
+                    for i in range(params.n)]
+        sequences = [_Sequence(job, i, cache, sampler, self.tokenizer)
+                     for i, (cache, sampler) in enumerate(zip(caches, samplers, strict=True))]
+        job.open = params.n
+        first = sample_batch(logits.expand(params.n, -1), samplers)
+        for sequence, sample in zip(sequences, first, strict=True):
+            sequence.accept(sample)
+            if sequence.finished:
+                self._finish(sequence)
+            else:
+                self._running.append(sequence)
+
+    def _finish(self, sequence: _Sequence) -> None:
+        """A sequence leaves: its cache is freed and its share of the budget returned; the job's
+        caller hears the end once its last sequence has left."""
+        sequence.finished = True
+        sequence.cache = None
+        self.reserved_bytes -= sequence.job.sequence_bytes
+        job = sequence.job
+        job.open -= 1
+        if job.open == 0 and not job.cancelled.is_set():
+            job.end()
+
+    def _report(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running_sequences.set(len(self._running))
+            self.metrics.waiting_generations.set(len(self._waiting) + len(self._prefilling))
+            self.metrics.kv_cache_reserved_bytes.set(self.reserved_bytes)

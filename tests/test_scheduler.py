@@ -1,0 +1,213 @@
+"""The trunk's scheduler (service/engine/scheduler.py) on the tiny random trunk and a real scheduler
+thread: generations decode together and each gets the tokens it gets alone; a long prompt is
+prefilled in chunks while running streams go on; a cancelled sequence leaves the batch at the next
+step and its cache is freed; a generation whose cache would exceed the KV budget waits, then runs;
+n sequences fork one prefilled prompt."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+import weakref
+
+import pytest
+
+from service.engine.engine import decodable_ids
+from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler
+from textcore.config import tiny
+from textcore.generate import SamplingParams, generate
+from textcore.model import KimiLinearForCausalLM
+from textcore.stops import TEXT_EVENTS
+
+pytestmark = [pytest.mark.usefixtures("torch_one_thread"), pytest.mark.timeout(300)]
+ORDER = itertools.count()  # one clock for the items of every job (they are emitted on one thread)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return KimiLinearForCausalLM.random(tiny(), seed=11)
+
+
+
+@pytest.fixture(scope="module")
+def allowed(model, tiny_tokenizer):
+    return decodable_ids(tiny_tokenizer, model.cfg.vocab_size)
+
+
+@pytest.fixture()
+def scheduler_of(model, tiny_tokenizer, allowed):
+    made = []
+
+    def make(**limits) -> Scheduler:
+        limits = {"max_num_seqs": 8, "max_num_batched_tokens": 4096, "kv_cache_bytes": 1 << 30, **limits}
+        made.append(Scheduler(model, tiny_tokenizer, allowed_ids=allowed, **limits))
+        return made[-1]
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+class Collector:
+    """A job's emit: its items with the shared clock, and its end."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int, object]] = []  # (clock, choice index, item)
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+
+    def __call__(self, item) -> None:
+        if item is None or isinstance(item, BaseException):
+            self.error = item
+            self.ended.set()
+        else:
+            self.items.append((next(ORDER), item.index, item.item))
+
+    def tokens(self, index: int = 0) -> list[int]:
+        return [item.chosen.token_id for _, i, item in self.items if i == index and isinstance(item, Logprobs)]
+
+    def token_clocks(self, index: int = 0) -> list[int]:
+        return [clock for clock, i, item in self.items if i == index and isinstance(item, Logprobs)]
+
+    def results(self) -> list[GenerationResult]:
+        return [item for _, _, item in sorted(self.items, key=lambda t: t[1]) if isinstance(item, GenerationResult)]
+
+    def wait(self, timeout: float = 120) -> Collector:
+        assert self.ended.wait(timeout), "the job did not end"
+        assert self.error is None, self.error
+        return self
+
+
+def _prompt(tiny_tokenizer, text: str) -> Prompt:
+    return Prompt([163584, *tiny_tokenizer.encode(text)], [], [], thinking=False)
+
+
+def _submit(scheduler, prompt, **params) -> tuple[Job, Collector]:
+    collector = Collector()
+    job = Job(prompt, SamplingParams(logprobs=True, **params), collector)
+    scheduler.submit(job)
+    return job, collector
+
+
+def _wait_for(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+TEXTS = ["What is in the image?", "The quick brown fox jumps over the lazy dog.", "Hi", "A cat sitting on the window"]
+
+
+def test_generations_decode_together_and_each_gets_its_tokens_alone(scheduler_of, model, tiny_tokenizer, allowed):
+    scheduler = scheduler_of()
+    params = [{"max_new_tokens": 8, "ignore_eos": True}, {"max_new_tokens": 6, "temperature": 1.0, "seed": 5},
+              {"max_new_tokens": 8, "ignore_eos": True, "top_k": 3, "temperature": 0.7, "seed": 1},
+              {"max_new_tokens": 5, "ignore_eos": True}]
+    jobs = [_submit(scheduler, _prompt(tiny_tokenizer, text), **p) for text, p in zip(TEXTS, params, strict=True)]
+    peak = 0
+    while not all(c.ended.is_set() for _, c in jobs):
+        peak = max(peak, scheduler.last_batch)
+        time.sleep(0.001)
+    assert peak >= 2  # they shared decode steps
+    for (_, collector), text, p in zip(jobs, TEXTS, params, strict=True):
+        collector.wait()
+        alone = generate(model, [_prompt(tiny_tokenizer, text).ids], params=SamplingParams(**p), allowed_ids=allowed)[0]
+        assert collector.tokens() == alone.tokens, text
+        (result,) = collector.results()
+        assert (result.finish_reason, result.completion_tokens) == (alone.finish_reason, len(alone.tokens))
+        assert result.prompt_tokens == len(_prompt(tiny_tokenizer, text).ids) and result.image_tokens == 0
+    assert scheduler.idle and scheduler.reserved_bytes == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_streams_run(scheduler_of, model, tiny_tokenizer, allowed):
+    scheduler = scheduler_of(max_num_batched_tokens=32)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, "Hi"), max_new_tokens=400, ignore_eos=True)
+    _wait_for(lambda: len(running.tokens()) >= 3, "the running stream's first tokens")
+    long = _prompt(tiny_tokenizer, " ".join(TEXTS * 6))
+    assert len(long.ids) > 8 * 32
+    submitted = next(ORDER)
+    _, late = _submit(scheduler, long, max_new_tokens=3, ignore_eos=True)
+    late.wait()
+    first = late.token_clocks()[0]
+    during = [c for c in running.token_clocks() if submitted < c < first]
+    # every step spends 31 tokens on the prompt and one on the stream: a token per chunk
+    assert len(during) >= len(long.ids) // 32 - 1, (len(during), len(long.ids))
+    alone = generate(model, [long.ids], params=SamplingParams(max_new_tokens=3, ignore_eos=True),
+                     allowed_ids=allowed)[0]
+    assert late.tokens() == alone.tokens  # chunked prefill gives the tokens of the whole prompt at once
+
+
+def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(scheduler_of, tiny_tokenizer):
+    scheduler = scheduler_of()
+    job_a, a = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    job_b, b = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[1]), max_new_tokens=2000, ignore_eos=True)
+    _wait_for(lambda: scheduler.last_batch == 2 and len(a.tokens()) >= 2, "both sequences in one batch")
+    cache = weakref.ref(next(s.cache for s in list(scheduler._running) if s.job is job_a))
+    job_a.cancelled.set()
+    seen = len(b.tokens())
+    _wait_for(lambda: len(b.tokens()) >= seen + 2, "the other sequence's next tokens")
+    assert scheduler.last_batch == 1 and scheduler.running == 1
+    assert scheduler.reserved_bytes == scheduler.worst_case_bytes(len(job_b.prompt.ids), job_b.params)
+    gc.collect()
+    assert cache() is None  # freed, not just forgotten
+    stopped_at = len(a.tokens())
+    _wait_for(lambda: len(b.tokens()) >= seen + 5, "more tokens")
+    assert len(a.tokens()) == stopped_at and not a.ended.is_set()  # a cancelled job hears nothing more
+
+
+def test_a_generation_over_the_budget_waits_then_runs(scheduler_of, tiny_tokenizer):
+    prompt = _prompt(tiny_tokenizer, TEXTS[1])
+    probe = scheduler_of()
+    one = probe.worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=40))
+    scheduler = scheduler_of(kv_cache_bytes=one + one // 2)  # room for one such generation, not two
+    _, first = _submit(scheduler, prompt, max_new_tokens=40, ignore_eos=True)
+    _, second = _submit(scheduler, prompt, max_new_tokens=40, ignore_eos=True)
+    first.wait()
+    second.wait()
+    end_of_first = max(clock for clock, _, _ in first.items)
+    assert min(second.token_clocks()) > end_of_first  # it waited for the first one's cache to be freed
+    assert second.tokens() == first.tokens() and len(second.tokens()) == 40
+    assert scheduler.last_batch <= 1 and scheduler.reserved_bytes == 0
+
+
+def test_max_num_seqs_bounds_the_batch(scheduler_of, tiny_tokenizer):
+    scheduler = scheduler_of(max_num_seqs=2)
+    jobs = [_submit(scheduler, _prompt(tiny_tokenizer, text), max_new_tokens=12, ignore_eos=True) for text in TEXTS]
+    peak = 0
+    while not all(c.ended.is_set() for _, c in jobs):
+        peak = max(peak, scheduler.last_batch)
+        time.sleep(0.001)
+    assert peak == 2 and all(len(c.wait().tokens()) == 12 for _, c in jobs)
+
+
+def test_n_sequences_fork_one_prompt_and_are_seeded_one_after_another(scheduler_of, model, tiny_tokenizer, allowed):
+    scheduler = scheduler_of()
+    prompt = _prompt(tiny_tokenizer, TEXTS[0])
+    _, three = _submit(scheduler, prompt, n=3, max_new_tokens=6, temperature=1.0, seed=40, ignore_eos=True)
+    three.wait()
+    for index in range(3):
+        alone = generate(model, [prompt.ids], params=SamplingParams(max_new_tokens=6, temperature=1.0, seed=40 + index,
+                                                                    ignore_eos=True), allowed_ids=allowed)[0]
+        assert three.tokens(index) == alone.tokens
+    assert [r.completion_tokens for r in three.results()] == [6, 6, 6]
+    assert len({tuple(three.tokens(i)) for i in range(3)}) > 1  # different seeds, different replies
+
+
+def test_stop_strings_end_a_reply_inside_the_batch(scheduler_of, tiny_tokenizer):
+    """The reply ends where the stop string begins (greedy: find a piece of its own text first)."""
+    scheduler = scheduler_of()
+    prompt = _prompt(tiny_tokenizer, TEXTS[3])
+    _, free = _submit(scheduler, prompt, max_new_tokens=30, ignore_eos=True, skip_special_tokens=False)
+    text = "".join(item.text for _, _, item in free.wait().items if isinstance(item, TEXT_EVENTS))
+    assert len(text) > 6, text
+    stop = text[3:5]
+    _, stopped = _submit(scheduler, prompt, max_new_tokens=30, ignore_eos=True, skip_special_tokens=False,
+                         stop=(stop,))
+    reply = "".join(item.text for _, _, item in stopped.wait().items if isinstance(item, TEXT_EVENTS))
+    assert reply == text[:text.index(stop)]
+    (result,) = stopped.results()
+    assert result.finish_reason == "stop" and result.completion_tokens < 30
+    assert stopped.tokens() == free.tokens()[:result.completion_tokens]

@@ -1,0 +1,39 @@
+"""The sequences of one trunk forward, laid end to end.
+
+A forward runs the new tokens of several sequences at once as one flat `[1, N, hidden]` row:
+sequence b's tokens are positions `offsets[b] .. offsets[b + 1]`. Everything per token (the
+projections, norms, Attention Residuals, the MoE with all N tokens in one call) runs on the flat
+row; only attention is per sequence. With caches, the sequences of one new token each (decode)
+are attended together (`singles`: KDA's recurrent step on their stacked states, MLA's absorbed
+form over their latents); every other sequence (a prompt chunk, or a whole sequence without a
+cache) on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+
+class Segments:
+    def __init__(self, lengths: Sequence[int], cached: bool, device: torch.device | str):
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"every sequence of a forward needs at least one token; got lengths {list(lengths)}")
+        self.lengths = list(lengths)
+        self.offsets = [0, *itertools.accumulate(self.lengths)]
+        self.cached = cached
+        self.singles = [b for b, n in enumerate(self.lengths) if cached and n == 1]
+        self.others = [b for b, n in enumerate(self.lengths) if not (cached and n == 1)]
+        self.single_positions = torch.tensor([self.offsets[b] for b in self.singles], dtype=torch.long, device=device)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def span(self, b: int) -> slice:
+        return slice(self.offsets[b], self.offsets[b + 1])
+
+    def last_positions(self) -> list[int]:
+        return [end - 1 for end in self.offsets[1:]]
