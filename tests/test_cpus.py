@@ -82,9 +82,11 @@ def test_this_machine_reads_without_error():
     assert 1 <= budget.usable <= AFFINITY
 
 
-def test_serve_takes_an_explicit_thread_count_and_refuses_a_bad_one():
+def test_serve_takes_an_explicit_thread_count_and_refuses_a_bad_one(capsys):
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     assert serve._problem(parser.parse_args(["--threads-per-worker", "3"])) is None
-    problem = serve._problem(parser.parse_args(["--threads-per-worker", "0"]))
-    assert problem == "--threads-per-worker must be >= 1, got 0"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--threads-per-worker", "0"])
+    assert exited.value.code == 2
+    assert "argument --threads-per-worker: must be >= 1, got 0" in capsys.readouterr().err

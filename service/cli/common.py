@@ -5,6 +5,7 @@ and resolving the checkpoint (the only place the embedded default is chosen)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,13 +31,29 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's --mm-hasher-algorithm (default blake3, as vLLM's)")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum` (else argparse's own error, naming the flag; exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _at_least(1)
+non_negative_int = _at_least(0)
+
+
+def port_number(text: str) -> int:
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free port), got {value}")
     return value
 
 

@@ -16,6 +16,8 @@ from service.cli.common import (
     add_vllm_arguments,
     checkpoint_dir,
     image_limits,
+    non_negative_int,
+    port_number,
     positive_float,
     positive_int,
     remote_image_problem,
@@ -33,42 +35,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="all (default): tokenizer, vision tower, projector and trunk; vision: no trunk is "
                              "loaded (a vision frontend: everything but generation)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = any free port)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+    parser.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = any free port)")
+    parser.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve Prometheus metrics on this port, at /metrics (0 = any free port)")
-    parser.add_argument("--health-port", type=int, metavar="PORT",
+    parser.add_argument("--health-port", type=port_number, metavar="PORT",
                         help="also serve the gRPC health service alone on this port, plaintext and without the "
                              "token, for Kubernetes' gRPC probes when the main port has TLS or a token "
                              "(0 = any free port)")
-    parser.add_argument("--threads-per-worker", type=int, metavar="N",
+    parser.add_argument("--threads-per-worker", type=positive_int, metavar="N",
                         help="torch and OpenCV threads in each encoder worker (default: the CPUs this process may "
                              "use, affinity and cgroup quota, split between the workers)")
-    parser.add_argument("--max-concurrency", type=int, default=4, metavar="N",
+    parser.add_argument("--max-concurrency", type=positive_int, default=4, metavar="N",
                         help="requests doing image work at once (Preprocess, CountTokens, Embed, Encode; a "
                              "generation takes no slot: the trunk's scheduler runs generations together); default 4")
-    parser.add_argument("--max-queue", type=int, default=32, metavar="N",
+    parser.add_argument("--max-queue", type=non_negative_int, default=32, metavar="N",
                         help="more requests admitted beyond those slots, generations included; beyond that "
                              "RESOURCE_EXHAUSTED (default 32)")
-    parser.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32, metavar="N",
                         help="sequences the trunk decodes together in one batch (a request's n counts n; 1: one "
                              "sequence at a time); default 32")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
                         help="tokens per trunk step: one per running sequence, the rest for prefill chunks, so a "
                              "long prompt is prefilled over several steps (>= --max-num-seqs); default 512")
-    parser.add_argument("--kv-cache-memory-gb", type=float, metavar="GB",
+    parser.add_argument("--kv-cache-memory-gb", type=positive_float, metavar="GB",
                         help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
                              "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "
                              "quarter of the trunk device's memory (CUDA: free after loading; CPU: physical)")
-    parser.add_argument("--max-message-mb", type=int, default=64, metavar="MB",
+    parser.add_argument("--max-message-mb", type=positive_int, default=64, metavar="MB",
                         help="largest request message, all its images together (default 64)")
     add_image_limit_arguments(parser, bounded_by="--max-message-mb")
-    parser.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (default 16)")
+    parser.add_argument("--max-images", type=positive_int, default=16, metavar="N",
+                        help="images per request (default 16)")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="prompt tokens (images counted from their headers) plus max_tokens, per request, as "
                              "vLLM's flag; over it a request is refused before any pixel is decoded; max_tokens "
                              "absent means what the prompt leaves (default: the checkpoint's "
                              "max_position_embeddings)")
-    parser.add_argument("--cache-mb", type=int, default=1024, metavar="MB",
+    parser.add_argument("--cache-mb", type=non_negative_int, default=1024, metavar="MB",
                         help="embedding cache budget (default 1024; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
@@ -76,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="producer (vLLM's EPD encoder): every HTTP chat completion is an encode request: its "
                              "images are written under --ec-export-dir (named as vLLM looks them up), and the "
                              "reply has no completion tokens; see docs/EPD.md")
-    parser.add_argument("--http-port", type=int, metavar="PORT",
+    parser.add_argument("--http-port", type=port_number, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
                              "/v1/models) and SGLang's encoder protocol (/encode) on this port (0 = any free port)")
     add_remote_image_arguments(parser, who="HTTP requests")
@@ -111,25 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    for name in ("max_concurrency", "max_message_mb", "max_images", "threads_per_worker", "max_num_seqs",
-                 "max_num_batched_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     if args.max_num_batched_tokens < args.max_num_seqs:
         return (f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs {args.max_num_seqs}: "
                 "every running sequence takes a token of each step")
-    if args.kv_cache_memory_gb is not None and not args.kv_cache_memory_gb > 0:
-        return f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}"
     if args.max_image_mb is not None and args.max_image_mb > args.max_message_mb:
         return (f"--max-image-mb {args.max_image_mb} is larger than --max-message-mb {args.max_message_mb}: every "
                 "image travels inside one request message; raise --max-message-mb or lower --max-image-mb")
-    if args.max_queue < 0 or args.cache_mb < 0 or not 0 <= args.port <= 65535:
-        return "--max-queue and --cache-mb must be >= 0 and --port in 0..65535"
-    for name in ("http_port", "health_port", "metrics_port"):
-        value = getattr(args, name)
-        if value is not None and not 0 <= value <= 65535:
-            return f"--{name.replace('_', '-')} must be in 0..65535, got {value}"
     if (problem := remote_image_problem(args)) is not None:
         return problem
     if args.max_model_len is not None and args.max_model_len < 2:
