@@ -15,25 +15,17 @@ the columns of one run, not figures across runs.
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import torch
 
+from bench.common import best_of
 from textcore import mxfp4
 
 # (name, out_features, in_features) of the routed experts (K3_FACTS section 4).
 SHAPES = [("w1/w3 3584->3072", 3072, 3584), ("w2 3072->3584", 3584, 3072)]
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def dequantize_then_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

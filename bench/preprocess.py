@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from k3_reference import reference_image, reference_preprocess  # noqa: E402
 
+from bench.common import photo  # noqa: E402
 from service.engine.allocator import KEEP_FREED_BYTES, keep_freed_memory  # noqa: E402
 from vision import count_tokens, plan_image, preprocess_image  # noqa: E402
 from vision import preprocess as vision_preprocess  # noqa: E402
@@ -65,17 +66,6 @@ from vision.preprocess import NORMALISE_TABLE  # noqa: E402
 FAST = ImageOptions(resize="fast")
 
 
-def _photo(w: int, h: int, seed: int = 0) -> np.ndarray:
-    """Photo-like content: smooth gradients, edges and mild sensor noise (JPEG sizes realistic)."""
-    rng = np.random.default_rng(seed)
-    y = np.linspace(0, 1, h, dtype=np.float32)[:, None]
-    x = np.linspace(0, 1, w, dtype=np.float32)[None, :]
-    r = 120 + 90 * np.sin(6 * x + 2 * y)
-    g = 110 + 80 * np.cos(5 * y - 3 * x)
-    b = 100 + 60 * np.sin(9 * x * y + 1) + 40 * ((x * 40).astype(np.int32) % 2)
-    img = np.stack(np.broadcast_arrays(r, g, b), axis=-1)
-    img += rng.normal(0, 6, img.shape).astype(np.float32)
-    return np.clip(img, 0, 255).astype(np.uint8)
 
 
 def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
@@ -86,16 +76,16 @@ def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
 
 def make_class(name: str) -> bytes:
     if name == "12mp":
-        return _encode(Image.fromarray(_photo(4000, 3000)), "JPEG", quality=90)
+        return _encode(Image.fromarray(photo(4000, 3000)), "JPEG", quality=90)
     if name == "48mp":
-        return _encode(Image.fromarray(_photo(8000, 6000)), "JPEG", quality=90)
+        return _encode(Image.fromarray(photo(8000, 6000)), "JPEG", quality=90)
     if name == "rgba4mp":
-        rgb = _photo(2000, 2000, 1)
+        rgb = photo(2000, 2000, 1)
         yy, xx = np.mgrid[0:2000, 0:2000]
         alpha = np.clip(255 - np.hypot(xx - 1000, yy - 1000) / 4, 0, 255).astype(np.uint8)
         return _encode(Image.fromarray(np.dstack([rgb, alpha])), "PNG", compress_level=1)
     if name == "palette":
-        im = Image.fromarray(_photo(2000, 1500, 2)).quantize(64)
+        im = Image.fromarray(photo(2000, 1500, 2)).quantize(64)
         return _encode(im, "PNG", transparency=bytes([0] + [255] * 63))
     raise SystemExit(f"unknown class {name!r}")
 

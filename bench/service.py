@@ -46,18 +46,7 @@ from typing import IO
 import numpy as np
 from PIL import Image
 
-
-def _photo_jpeg(width: int, height: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    y = np.linspace(0, 1, height, dtype=np.float32)[:, None]
-    x = np.linspace(0, 1, width, dtype=np.float32)[None, :]
-    r = 120 + 90 * np.sin(6 * x + 2 * y)
-    g = 110 + 80 * np.cos(5 * y - 3 * x)
-    b = 100 + 60 * np.sin(9 * x * y + 1) + 40 * ((x * 40).astype(np.int32) % 2)
-    img = np.stack(np.broadcast_arrays(r, g, b), axis=-1) + rng.normal(0, 6, (height, width, 3)).astype(np.float32)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+from bench.common import photo_jpeg
 
 
 def _png(width: int, height: int, seed: int = 0) -> bytes:
@@ -228,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         with VisionClient(target, timeout=300) as client:
             wait_serving(client, proc, log)
             print(f"server pid {proc.pid} on {target}; cores {os.cpu_count()}; load {os.getloadavg()[0]:.1f}")
-            big = _photo_jpeg(4000, 3000)
+            big = photo_jpeg(4000, 3000)
             cmp = compare_preprocess(client, big, args.repeats)
             print(f"\n12 MP JPEG ({len(big) / 1e6:.1f} MB), {args.repeats} interleaved runs each (min / median):")
             for name, label in (("local", "in-process preprocess_image  "), ("rpc", "Preprocess RPC               "),
@@ -240,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  (in-process + the RPC's transport cost) / in-process: "
                   f"{(cmp['local_min'] + cmp['transport_min']) / cmp['local_min']:.3f} (min), "
                   f"{(cmp['local_median'] + cmp['transport_median']) / cmp['local_median']:.3f} (median)")
-            hd = _photo_jpeg(1920, 1080, 2)
+            hd = photo_jpeg(1920, 1080, 2)
             epd = compare_encoders(client, http_port, hd, args.repeats)
             print(f"\nEPD encoder requests, 1920x1080 JPEG ({len(hd) / 1e6:.2f} MB), {args.repeats} interleaved "
                   "runs each (min / median):")
@@ -251,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, label in (("http", "HTTP producer / Encode"), ("sglang", "SGLang /encode / Encode")):
                 print(f"  {label}: {epd[name + '_min'] / epd['encode_min']:.3f} (min), "
                       f"{epd[name + '_median'] / epd['encode_median']:.3f} (median); target <= 1.15")
-        cases = [("Preprocess", "1920x1080 JPEG", _photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
+        cases = [("Preprocess", "1920x1080 JPEG", photo_jpeg(1920, 1080, 1)), ("Embed", "512x512 PNG", _png(512, 512))]
         print("\n| RPC | input | concurrency | requests | p50 ms | p99 ms | req/s | errors |")
         print("|---|---|---|---|---|---|---|---|")
         asyncio.run(load_levels(target, cases, [int(x) for x in args.levels.split(",")], args.seconds))

@@ -49,7 +49,7 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from bench.service import _photo_jpeg
+from bench.common import photo_jpeg
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(.*)")
@@ -134,7 +134,7 @@ def _percentile(values: list[float], q: float) -> float:
 def prefill(args: argparse.Namespace) -> int:
     rows = []
     for label, size in (("1920x1080", (1920, 1080)), ("12 MP (4000x3000)", (4000, 3000))):
-        body = _chat("What is in the image?", _photo_jpeg(*size), max_tokens=2)
+        body = _chat("What is in the image?", photo_jpeg(*size), max_tokens=2)
         server = Server(["--max-num-batched-tokens", str(args.max_num_batched_tokens)], int(args.max_rss_gb * 2**30))
         try:
             with httpx.Client(base_url=server.http, timeout=1800) as client:

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import best_of
 from textcore.chat import render, render_ids
 from textcore.tiny_vocab import write_tiny_tokenizer
 from textcore.tokenizer import Tokenizer
@@ -77,13 +78,6 @@ def agentic_conversation(n_messages: int = 200) -> tuple[list[dict], list[dict]]
     return messages[:n_messages], tools
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -109,16 +103,17 @@ def main() -> None:
 
     text = mixed_text(1 << 20)
     n_tokens = len(tok.encode(text))
-    encode_s = best_time(lambda: tok.encode(text), args.repeats)
-    raw_s = best_time(lambda: tok._encoding.encode_ordinary(text), args.repeats)
+    encode_s = best_of(lambda: tok.encode(text), args.repeats, warmup=False)
+    raw_s = best_of(lambda: tok._encoding.encode_ordinary(text), args.repeats, warmup=False)
     print(f"encode 1 MiB mixed text: {n_tokens} tokens, {n_tokens / encode_s / 1e6:.2f} M tokens/s "
           f"({encode_s * 1000:.0f} ms); plain tiktoken encode_ordinary {n_tokens / raw_s / 1e6:.2f} M tokens/s "
           f"({raw_s * 1000:.0f} ms); ratio {encode_s / raw_s:.2f}x")
 
     messages, tools = agentic_conversation(200)
     render(messages, tools)  # warm-up
-    runs = [best_time(lambda: render(messages, tools), 1) for _ in range(max(args.repeats, 20))]
-    ids_runs = [best_time(lambda: render_ids(tok, messages, tools), 1) for _ in range(max(args.repeats, 20))]
+    rounds = range(max(args.repeats, 20))
+    runs = [best_of(lambda: render(messages, tools), 1, warmup=False) for _ in rounds]
+    ids_runs = [best_of(lambda: render_ids(tok, messages, tools), 1, warmup=False) for _ in rounds]
     prompt = render_ids(tok, messages, tools)
     print(f"render 200-message agentic chat ({len(prompt.ids)} tokens): render min {min(runs) * 1000:.2f} ms, "
           f"median {statistics.median(runs) * 1000:.2f} ms (target < 10 ms); render_ids min {min(ids_runs) * 1000:.2f} "
