@@ -321,3 +321,22 @@ def test_the_images_steps_serve_from_an_install_outside_the_checkout(tmp_path: P
     assert [p.name for p in (tmp_path / "models").iterdir()] == [generator_key()]  # found, not made again
     for line in server.log_text().splitlines():
         json.loads(line)  # the image's CMD asks for JSON logs
+
+
+def test_the_limits_table_names_every_limit_of_serve_with_its_default():
+    """docs/DEPLOY.md's "Limits" table and `kimi-vision serve`'s flags say the same: every limit flag
+    is in the table, and every numeric default the table gives is the flag's."""
+    section = (REPO_ROOT / "docs" / "DEPLOY.md").read_text().split("## Limits", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `(--[a-z0-9-]+)`(?: \*batch\*)? \| ([^|]+) \|",
+                                                                 section, re.M)}
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    actions = {action.option_strings[0]: action for action in parser._actions if action.option_strings}
+    limits = {flag for flag in actions if flag.startswith("--max-") or flag.endswith("-timeout")
+              or flag in ("--kv-cache-memory-gb", "--allowed-media-domains")}
+    assert sorted(limits - set(rows)) == []
+    assert sorted(set(rows) - set(actions)) == []
+    for flag, shown in rows.items():
+        default = actions[flag].default
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            assert float(shown.split()[0]) == default, (flag, shown, default)
