@@ -1,6 +1,6 @@
 """The per-image limit flags, `--max-image-mb` and `--max-image-megapixels`: made once
 (`service.cli.common`), parsed and refused alike by every command that reads images, and applied by
-each (real runs of preprocess, embed and an in-process batch; on Ray: tests/test_batch_ray.py; serve
+each (real runs of preprocess, preview, embed and an in-process batch; on Ray: tests/test_batch_ray.py; serve
 and batch --server: tests/test_serve_limits.py)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ COMMANDS = {
     "batch": ["--task", "embed", "--input", "in", "--output", "out.jsonl"],
     "embed": ["--out", "out.safetensors", "a.png"],
     "preprocess": ["a.png"],
+    "preview": ["a.png", "-o", "out.png"],
 }
 
 
@@ -84,6 +85,17 @@ def test_preprocess_applies_the_limits(images: Path, capsys) -> None:
     rc = cli_main(["preprocess", "--json", str(images / "35mb.png")])
     assert rc == 2
     assert "over the per-image byte limit (33,554,432 bytes)" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_preview_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out.png"
+    rc = cli_main(["preview", "--max-image-mb", "40", str(images / "35mb.png"), "-o", str(out)])
+    assert rc == 0 and f"{plan_size(64, 48).num_tokens} tokens" in capsys.readouterr().out
+    rc = cli_main(["preview", str(images / "35mb.png"), "-o", str(out)])
+    assert rc == 2
+    assert "over the per-image byte limit (33,554,432 bytes)" in capsys.readouterr().err
+    rc = cli_main(["preview", "--max-image-megapixels", "1", str(images / "1200x1000.png"), "-o", str(out)])
+    assert rc == 2 and "over the 1,000,000-pixel limit" in capsys.readouterr().err
 
 
 def test_embed_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
