@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
-from images import MIB, check_limited_rows, limit_images
+from images import MIB, check_limited_rows, limit_images, png
 
 from service.cli import main as cli_main
 from service.cli import serve
@@ -107,6 +108,20 @@ def test_embed_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
     assert f"{images / '35mb.png'}: {plan_size(64, 48).num_tokens} tokens" in captured.out
     assert f"error: {images / '1200x1000.png'}: " in captured.err and "1,000,000-pixel limit" in captured.err
     assert out.exists()
+
+
+def test_a_file_over_the_byte_limit_is_refused_before_it_is_read(tmp_path: Path, capsys) -> None:
+    """A sparse file of 1 TiB: reading it whole cannot succeed here, so each command refuses it by its size."""
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(png(8, 8))
+    os.truncate(huge, 1 << 40)
+    refused = "encoded image is 1,099,511,627,776 bytes, over the per-image byte limit (33,554,432 bytes)"
+    assert cli_main(["preprocess", "--json", str(huge)]) == 2
+    assert refused in json.loads(capsys.readouterr().out)["error"]
+    assert cli_main(["preview", str(huge), "-o", str(tmp_path / "out.png")]) == 2
+    assert f"kimi-vision preview: {huge}: {refused}" in capsys.readouterr().err
+    assert cli_main(["embed", "--workers", "1", "--out", str(tmp_path / "out.safetensors"), str(huge)]) == 2
+    assert f"error: {huge}: bad image: {refused}" in capsys.readouterr().err
 
 
 def test_batch_in_process_applies_the_limits(images: Path, tmp_path: Path) -> None:

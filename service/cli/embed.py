@@ -55,15 +55,15 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
     from service.errors import classify
 
     slots = asyncio.Semaphore(2 * len(engine.devices))
+    limits = engine.config.limits
 
     async def one(name: str) -> tuple[str, object, str]:
         async with slots:
             try:
-                with open(name, "rb") as f:
-                    image = ImageInput(f.read())
-            except OSError as e:
-                return name, e.strerror or str(e), ""
-            try:
+                try:
+                    image = ImageInput(common.read_image_file(name, limits))
+                except OSError as e:
+                    return name, e.strerror or str(e), ""
                 (emb,) = await engine.embed([image])
             except Exception as exc:  # noqa: BLE001 - a classified failure is that file's; a bug propagates
                 failure = classify(exc)

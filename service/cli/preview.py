@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.cli.common import add_image_limit_arguments, image_limits
+from service.cli.common import add_image_limit_arguments, image_limits, read_image_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kimi-vision preview: {args.output}: the output must be a .png file (lossless)", file=sys.stderr)
         return 2
     try:
-        with open(args.file, "rb") as f:
-            data = f.read()
-        out = preprocess_image(data, ImageOptions(max_tokens=args.max_tokens, exif_transpose=args.exif_transpose,
-                                                  resize=args.resize), image_limits(args))
+        limits = image_limits(args)
+        out = preprocess_image(read_image_file(args.file, limits),
+                               ImageOptions(max_tokens=args.max_tokens, exif_transpose=args.exif_transpose,
+                                            resize=args.resize), limits)
     except ImageError as e:
         print(f"kimi-vision preview: {args.file}: {e}", file=sys.stderr)
         return 2
