@@ -278,7 +278,8 @@ def test_journal_resume_input_order_and_the_errors_file(tmp_path):
     (shards / "shard-00001.safetensors").write_bytes(b"kept")
     (shards / "shard-00002.safetensors").write_bytes(b"orphan: written just before a crash, rows never were")
     (shards / ".shard-00003.safetensors.tmp").write_bytes(b"cut short")
-    (tmp_path / f".{output.name}.999.tmp").write_bytes(b"a reorder cut short by a crash")
+    (tmp_path / f".{output.name}.999-0123456789ab.tmp").write_bytes(b"a rewrite cut short by a crash")
+    (tmp_path / f".{output.name}.999.run-0.tmp").write_bytes(b"a reorder cut short by a crash")
 
     def embedding(custom_id: str, line: int, file: str) -> dict:
         body = {"object": "embedding.safetensors", "embedding": {"file": f"{output.name}.embeddings/{file}"}}
@@ -345,6 +346,25 @@ def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
     finish(output, errors)
     assert [r["custom_id"] for r in _lines(output)] == [f"id{n}" for n in range(1, 501) if n % 9]
     assert [r["custom_id"] for r in _lines(errors)] == [f"id{n}" for n in range(9, 501, 9)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
+
+
+def test_finish_replaces_the_errors_file_before_the_output(tmp_path, monkeypatch):
+    """A crash between the two renames must leave the failed rows in both files (a resume counts
+    them once), never in neither: the errors file goes into place first. The real rename still runs."""
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    output.write_text("".join(json.dumps(r) + "\n" for r in [_row("b", 2), _row("a", 1, 400, "bad_input")]))
+    replaced: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        real_replace(src, dst)
+        replaced.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    finish(output, errors)
+    assert replaced == ["errors.jsonl", "out.jsonl"]
+    assert [r["custom_id"] for r in _lines(output)] == ["b"] and [r["custom_id"] for r in _lines(errors)] == ["a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
 
 
