@@ -338,12 +338,22 @@ def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
     finish(output)
     assert [r["kimi_vision"]["line"] for r in _lines(output)] == list(range(1, 501))
     in_order = output.stat()
-    finish(output)  # in order already, no errors file: not rewritten
+    runs: list[int] = []
+    write_run = journal._write_run
+
+    def counted_write_run(output, number, records):
+        runs.append(number)
+        return write_run(output, number, records)
+
+    monkeypatch.setattr(journal, "_write_run", counted_write_run)
+    finish(output)  # in order already, no errors file: not rewritten, and no run written to find that out
     assert output.stat().st_ino == in_order.st_ino and output.stat().st_mtime_ns == in_order.st_mtime_ns
+    assert runs == []
 
     output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
                               for n in order))
     finish(output, errors)
+    assert len(runs) > 500 // 7  # out of order: sorted in runs
     assert [r["custom_id"] for r in _lines(output)] == [f"id{n}" for n in range(1, 501) if n % 9]
     assert [r["custom_id"] for r in _lines(errors)] == [f"id{n}" for n in range(9, 501, 9)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]

@@ -225,31 +225,27 @@ _KEY = 20  # a run's record: the row's line (20 digits: bytes sort as numbers), 
 
 def finish(output: Path, errors: Path | None = None) -> None:
     """Every line has its row: put the output in input order and, with `errors`, move the failed
-    rows there (also in input order). Nothing is rewritten when the output is in order already
-    and there is no errors file to write.
+    rows there (also in input order). Nothing is written when the output is in order already
+    and there is no errors file to write (a read-only pass finds that first).
 
     An external merge sort, so memory stays bounded however many rows: runs of sorted rows
     written beside the output (`.OUT.<pid>.run-N.tmp`, cleared by `prepare` if a crash leaves
     them), merged by line into the temporary files that replace the outputs (`atomic_path`)."""
+    if errors is None and _in_order(output):
+        return
     runs: list[Path] = []
     try:
-        in_order = True
-        last = 0
         chunk: list[bytes] = []
         size = 0
         with open(output, "rb") as f:
             for raw in f:
                 row = json.loads(raw)
                 line = line_of(row)
-                in_order = in_order and line >= last
-                last = line
                 chunk.append(b"%020d%d" % (line, not is_ok(row)) + raw)
                 size += len(raw)
                 if len(chunk) >= _RUN_ROWS or size >= _RUN_BYTES:
                     runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
                     chunk, size = [], 0
-        if in_order and errors is None:
-            return
         if chunk:
             runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
         del chunk
@@ -273,6 +269,18 @@ def finish(output: Path, errors: Path | None = None) -> None:
     finally:
         for run in runs:
             run.unlink(missing_ok=True)
+
+
+def _in_order(output: Path) -> bool:
+    """The rows are in input order already (a read-only pass: a resumed finished job, an in-order run)."""
+    last = 0
+    with open(output, "rb") as f:
+        for raw in f:
+            line = line_of(json.loads(raw))
+            if line < last:
+                return False
+            last = line
+    return True
 
 
 def _line_key(record: bytes) -> bytes:
