@@ -607,6 +607,20 @@ def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once_in_input_
     assert [comparable(r) for r in validated_rows(errors)] == [comparable(r) for r in failed]
 
 
+@pytest.mark.parametrize(("flag", "value", "problem"), [
+    ("--concurrency", "0", "must be >= 1, got 0"),
+    ("--max-new-tokens", "-1", "must be >= 1, got -1"),
+    ("--log-every", "0", "must be a finite number > 0, got '0'"),
+])
+def test_a_flag_out_of_its_range_is_a_usage_error(flag, value, problem, capsys):
+    from service.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["batch", "--task", "caption", "--input", "in", "--output", "out.jsonl", flag, value])
+    assert exit_info.value.code == 2
+    assert f"kimi-vision batch: error: argument {flag}: {problem}" in capsys.readouterr().err
+
+
 def test_progress_bar_on_a_tty_and_log_lines_otherwise():
     import io
 
