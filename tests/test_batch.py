@@ -621,6 +621,17 @@ def test_a_flag_out_of_its_range_is_a_usage_error(flag, value, problem, capsys):
     assert f"kimi-vision batch: error: argument {flag}: {problem}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["batch", "serve"])
+def test_the_remote_image_flags_default_to_the_fetchers_defaults(command):
+    """cli/common writes the defaults out (its --help stays light): they must stay those of service.openai.images."""
+    from service.cli.main import build_parser
+    from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+
+    argv = [command] + (["--task", "caption", "--input", "in", "--output", "out.jsonl"] if command == "batch" else [])
+    args = build_parser(argv).parse_args(argv)
+    assert (args.media_fetch_timeout, args.max_media_fetches) == (DEFAULT_TIMEOUT_S, DEFAULT_CONCURRENCY)
+
+
 def test_progress_bar_on_a_tty_and_log_lines_otherwise():
     import io
 
