@@ -3,10 +3,13 @@ encoder-cache export, a batch job's fingerprint, its embedding shards).
 
 The content goes to a temporary file in the target's directory (`.NAME.<pid>-<random>.tmp`), which
 is fsynced and renamed over the target, then the directory is fsynced: a reader sees the old file
-or the whole new one, and after a crash the new one is either all there or not at all. On a
-failure the temporary file is removed. The file gets ordinary permissions, 0o666 masked by the
-process umask as `open()` gives, even when the writer leaves a file of its own (safetensors'
-`save_file` writes its own temporary file, 0600, and renames it into place).
+or the whole new one, and after a crash the new one is either all there or not at all. With
+`durable=False` the two fsyncs are left out: the rename still keeps a reader from ever seeing half
+a file, but a power loss may lose the new file (the EC export: files on a request's path, where two
+fsyncs per file would wait on the disk before the reply). On a failure the temporary file is
+removed. The file gets ordinary permissions, 0o666 masked by the process umask as `open()` gives,
+even when the writer leaves a file of its own (safetensors' `save_file` writes its own temporary
+file, 0600, and renames it into place).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(target: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
     """A temporary path beside `target` (its directory made if missing) for the caller to write,
     as bytes or by a writer that takes a path; on leaving the block without an error it replaces
-    `target` (see the module docstring), on an error it is removed."""
+    `target` (see the module docstring), on an error it is removed. `durable=False`: atomic only,
+    no fsync of the file or the directory (what survives a power loss is not promised)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
@@ -46,16 +50,18 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, mode)  # the writer may have put a file of its own there
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
 
 
 def write_atomic(target: str | os.PathLike[str], data: bytes) -> None:

@@ -278,7 +278,8 @@ def test_journal_resume_input_order_and_the_errors_file(tmp_path):
     (shards / "shard-00001.safetensors").write_bytes(b"kept")
     (shards / "shard-00002.safetensors").write_bytes(b"orphan: written just before a crash, rows never were")
     (shards / ".shard-00003.safetensors.tmp").write_bytes(b"cut short")
-    (tmp_path / f".{output.name}.999.tmp").write_bytes(b"a reorder cut short by a crash")
+    (tmp_path / f".{output.name}.999-0123456789ab.tmp").write_bytes(b"a rewrite cut short by a crash")
+    (tmp_path / f".{output.name}.999.run-0.tmp").write_bytes(b"a reorder cut short by a crash")
 
     def embedding(custom_id: str, line: int, file: str) -> dict:
         body = {"object": "embedding.safetensors", "embedding": {"file": f"{output.name}.embeddings/{file}"}}
@@ -337,14 +338,43 @@ def test_finish_merges_many_sorted_runs(tmp_path, monkeypatch):
     finish(output)
     assert [r["kimi_vision"]["line"] for r in _lines(output)] == list(range(1, 501))
     in_order = output.stat()
-    finish(output)  # in order already, no errors file: not rewritten
+    runs: list[int] = []
+    write_run = journal._write_run
+
+    def counted_write_run(output, number, records):
+        runs.append(number)
+        return write_run(output, number, records)
+
+    monkeypatch.setattr(journal, "_write_run", counted_write_run)
+    finish(output)  # in order already, no errors file: not rewritten, and no run written to find that out
     assert output.stat().st_ino == in_order.st_ino and output.stat().st_mtime_ns == in_order.st_mtime_ns
+    assert runs == []
 
     output.write_text("".join(json.dumps(_row(f"id{n}", n, 400 if n % 9 == 0 else 200, "bad_input")) + "\n"
                               for n in order))
     finish(output, errors)
+    assert len(runs) > 500 // 7  # out of order: sorted in runs
     assert [r["custom_id"] for r in _lines(output)] == [f"id{n}" for n in range(1, 501) if n % 9]
     assert [r["custom_id"] for r in _lines(errors)] == [f"id{n}" for n in range(9, 501, 9)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
+
+
+def test_finish_replaces_the_errors_file_before_the_output(tmp_path, monkeypatch):
+    """A crash between the two renames must leave the failed rows in both files (a resume counts
+    them once), never in neither: the errors file goes into place first. The real rename still runs."""
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    output.write_text("".join(json.dumps(r) + "\n" for r in [_row("b", 2), _row("a", 1, 400, "bad_input")]))
+    replaced: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        real_replace(src, dst)
+        replaced.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    finish(output, errors)
+    assert replaced == ["errors.jsonl", "out.jsonl"]
+    assert [r["custom_id"] for r in _lines(output)] == ["b"] and [r["custom_id"] for r in _lines(errors)] == ["a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.jsonl"]
 
 
@@ -575,6 +605,31 @@ def test_ctrl_c_then_kill_9_then_resume_gives_every_input_exactly_once_in_input_
     assert done.returncode == 0 and "16 already done; 0 processed" in done.stdout, done.stderr
     assert [comparable(r) for r in validated_rows(output)] == [comparable(r) for r in ok]
     assert [comparable(r) for r in validated_rows(errors)] == [comparable(r) for r in failed]
+
+
+@pytest.mark.parametrize(("flag", "value", "problem"), [
+    ("--concurrency", "0", "must be >= 1, got 0"),
+    ("--max-new-tokens", "-1", "must be >= 1, got -1"),
+    ("--log-every", "0", "must be a finite number > 0, got '0'"),
+])
+def test_a_flag_out_of_its_range_is_a_usage_error(flag, value, problem, capsys):
+    from service.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["batch", "--task", "caption", "--input", "in", "--output", "out.jsonl", flag, value])
+    assert exit_info.value.code == 2
+    assert f"kimi-vision batch: error: argument {flag}: {problem}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["batch", "serve"])
+def test_the_remote_image_flags_default_to_the_fetchers_defaults(command):
+    """cli/common writes the defaults out (its --help stays light): they must stay those of service.openai.images."""
+    from service.cli.main import build_parser
+    from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+
+    argv = [command] + (["--task", "caption", "--input", "in", "--output", "out.jsonl"] if command == "batch" else [])
+    args = build_parser(argv).parse_args(argv)
+    assert (args.media_fetch_timeout, args.max_media_fetches) == (DEFAULT_TIMEOUT_S, DEFAULT_CONCURRENCY)
 
 
 def test_progress_bar_on_a_tty_and_log_lines_otherwise():

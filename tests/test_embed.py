@@ -62,6 +62,13 @@ def test_cli_embed_bad_checkpoint(tmp_path, capsys):
     assert "checkpoint directory not found" in capsys.readouterr().err
 
 
+def test_cli_embed_workers_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["embed", "--workers", "0", "--out", "o.safetensors", "a.png"])
+    assert exit_info.value.code == 2
+    assert "kimi-vision embed: error: argument --workers: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_cli_embed_vllm_ec_layout(tmp_path, tiny_encoder, capsys):
     """`--format vllm-ec`: one `<mm_hash>/encoder_cache.safetensors` per image, named by the hash vLLM
     computes for it (here under a local-path model id and sha256, as `vllm serve /models/kimi-k3

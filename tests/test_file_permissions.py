@@ -49,8 +49,14 @@ def test_make_checkpoint_and_quantize_honour_the_umask(tmp_path, umask):
     extra = src / "chat_template.jinja"  # a file of the source's own, kept private: the copy is still ordinary
     extra.write_text("{{ messages }}")
     extra.chmod(0o600)
+    private = src / "assets" / "inner"  # a directory tree of its own, kept private: its copy is still ordinary
+    private.mkdir(parents=True)
+    (private / "vocab.txt").write_text("a b c")
+    for directory in (private, private.parent):
+        directory.chmod(0o700)
     _cli("quantize", src, out, umask=umask)
     assert "chat_template.jinja" in _modes(out) and INDEX_FILE in _modes(out)
+    assert (out / "assets" / "inner" / "vocab.txt").read_text() == "a b c"
     assert _modes(out) == _ordinary(out, umask)
 
 

@@ -1,5 +1,6 @@
-"""service.files: the one atomic, durable file replacement, and the writers that use it (the vLLM
-encoder-cache export, a batch job's fingerprint, its embedding shards), on real files."""
+"""service.files: the one atomic file replacement, durable or not, and the writers that use it (the
+vLLM encoder-cache export, not durable; a batch job's fingerprint, its embedding shards), on real
+files."""
 
 from __future__ import annotations
 
@@ -69,9 +70,10 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["file"]
 
 
-def test_the_file_and_then_its_directory_are_fsynced(tmp_path, monkeypatch):
-    """What each fsync reached (the real fsync still runs): the temporary file before the rename,
-    the directory after it."""
+@pytest.fixture
+def fsyncs(tmp_path, monkeypatch) -> list[tuple[str, bool]]:
+    """What each fsync reached (the real fsync still runs): a file or a directory, and whether
+    `tmp_path / "f"` existed then."""
     synced: list[tuple[str, bool]] = []
     real_fsync = os.fsync
 
@@ -81,8 +83,32 @@ def test_the_file_and_then_its_directory_are_fsynced(tmp_path, monkeypatch):
         synced.append(("dir" if is_dir else "file", (tmp_path / "f").exists()))
 
     monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_the_file_and_then_its_directory_are_fsynced(tmp_path, fsyncs):
+    """The temporary file before the rename, the directory after it."""
     write_atomic(tmp_path / "f", b"data")
-    assert synced == [("file", False), ("dir", True)]
+    assert fsyncs == [("file", False), ("dir", True)]
+
+
+def test_not_durable_is_atomic_without_an_fsync(tmp_path, fsyncs, umask_022):
+    target = tmp_path / "f"
+    write_atomic(target, b"old")
+    fsyncs.clear()
+    inode = os.stat(target).st_ino
+    with atomic_path(target, durable=False) as tmp:
+        save_file({"x": torch.arange(3)}, str(tmp))  # a writer's own 0600 file, as the EC export's
+        assert target.read_bytes() == b"old"  # nothing replaced before the block ends
+    assert load_file(str(target))["x"].tolist() == [0, 1, 2] and os.stat(target).st_ino != inode
+    assert _mode(target) == 0o644 and os.listdir(tmp_path) == ["f"]
+    with pytest.raises(RuntimeError, match="writer failed"), atomic_path(target, durable=False) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("writer failed")
+    assert load_file(str(target))["x"].tolist() == [0, 1, 2] and os.listdir(tmp_path) == ["f"]
+    assert fsyncs == []
+    write_ec(tmp_path / "ec", "abc123", torch.randn(3, 4))  # the EC export writes this way
+    assert fsyncs == []
 
 
 def test_every_writer_replaces_its_files_this_way(tmp_path, umask_022):

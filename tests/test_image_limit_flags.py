@@ -1,16 +1,17 @@
 """The per-image limit flags, `--max-image-mb` and `--max-image-megapixels`: made once
 (`service.cli.common`), parsed and refused alike by every command that reads images, and applied by
-each (real runs of preprocess, embed and an in-process batch; on Ray: tests/test_batch_ray.py; serve
+each (real runs of preprocess, preview, embed and an in-process batch; on Ray: tests/test_batch_ray.py; serve
 and batch --server: tests/test_serve_limits.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
-from images import MIB, check_limited_rows, limit_images
+from images import MIB, check_limited_rows, limit_images, png
 
 from service.cli import main as cli_main
 from service.cli import serve
@@ -24,6 +25,7 @@ COMMANDS = {
     "batch": ["--task", "embed", "--input", "in", "--output", "out.jsonl"],
     "embed": ["--out", "out.safetensors", "a.png"],
     "preprocess": ["a.png"],
+    "preview": ["a.png", "-o", "out.png"],
 }
 
 
@@ -86,6 +88,17 @@ def test_preprocess_applies_the_limits(images: Path, capsys) -> None:
     assert "over the per-image byte limit (33,554,432 bytes)" in json.loads(capsys.readouterr().out)["error"]
 
 
+def test_preview_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out.png"
+    rc = cli_main(["preview", "--max-image-mb", "40", str(images / "35mb.png"), "-o", str(out)])
+    assert rc == 0 and f"{plan_size(64, 48).num_tokens} tokens" in capsys.readouterr().out
+    rc = cli_main(["preview", str(images / "35mb.png"), "-o", str(out)])
+    assert rc == 2
+    assert "over the per-image byte limit (33,554,432 bytes)" in capsys.readouterr().err
+    rc = cli_main(["preview", "--max-image-megapixels", "1", str(images / "1200x1000.png"), "-o", str(out)])
+    assert rc == 2 and "over the 1,000,000-pixel limit" in capsys.readouterr().err
+
+
 def test_embed_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out.safetensors"
     rc = cli_main(["embed", "--workers", "1", "--max-image-mb", "40", "--max-image-megapixels", "1", "--out", str(out),
@@ -95,6 +108,20 @@ def test_embed_applies_the_limits(images: Path, tmp_path: Path, capsys) -> None:
     assert f"{images / '35mb.png'}: {plan_size(64, 48).num_tokens} tokens" in captured.out
     assert f"error: {images / '1200x1000.png'}: " in captured.err and "1,000,000-pixel limit" in captured.err
     assert out.exists()
+
+
+def test_a_file_over_the_byte_limit_is_refused_before_it_is_read(tmp_path: Path, capsys) -> None:
+    """A sparse file of 1 TiB: reading it whole cannot succeed here, so each command refuses it by its size."""
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(png(8, 8))
+    os.truncate(huge, 1 << 40)
+    refused = "encoded image is 1,099,511,627,776 bytes, over the per-image byte limit (33,554,432 bytes)"
+    assert cli_main(["preprocess", "--json", str(huge)]) == 2
+    assert refused in json.loads(capsys.readouterr().out)["error"]
+    assert cli_main(["preview", str(huge), "-o", str(tmp_path / "out.png")]) == 2
+    assert f"kimi-vision preview: {huge}: {refused}" in capsys.readouterr().err
+    assert cli_main(["embed", "--workers", "1", "--out", str(tmp_path / "out.safetensors"), str(huge)]) == 2
+    assert f"error: {huge}: bad image: {refused}" in capsys.readouterr().err
 
 
 def test_batch_in_process_applies_the_limits(images: Path, tmp_path: Path) -> None:

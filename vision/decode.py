@@ -52,6 +52,15 @@ class Limits:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
 
+    def check_encoded_size(self, size: int) -> None:
+        """Refuse an encoded image of `size` bytes over `max_bytes` (a reader that knows a file's
+        size calls this before reading it)."""
+        if size > self.max_bytes:
+            raise ImageTooLargeError(
+                f"encoded image is {size:,} bytes, over the per-image byte limit ({self.max_bytes:,} bytes); "
+                "send a smaller or more compressed file"
+            )
+
 
 DEFAULT_LIMITS = Limits()
 
@@ -286,11 +295,7 @@ def open_header(data: Buffer, limits: Limits, *, exif_transpose: bool = False) -
         raise TypeError(f"image data must be bytes, got {type(data).__name__}")
     if not isinstance(data, bytes):
         data = memoryview(data).cast("B").toreadonly()  # one flat byte per item, whatever the buffer's format
-    if len(data) > limits.max_bytes:
-        raise ImageTooLargeError(
-            f"encoded image is {len(data):,} bytes, over the per-image byte limit ({limits.max_bytes:,} bytes); "
-            "send a smaller or more compressed file"
-        )
+    limits.check_encoded_size(len(data))
     if not data:
         raise ImageDecodeError("image data is empty")
     media = sniff_non_image(data)

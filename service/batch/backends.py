@@ -39,7 +39,7 @@ from service.errors import (
 from service.openai.response import Reply
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.auth import bearer_credentials
-from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, generate_request
+from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, embed_request, generate_request
 from textcore import parser as p
 from vision import DEFAULT_LIMITS, Limits
 
@@ -171,19 +171,18 @@ class ServerBackend:
                            "request's images and the rest of the message")
 
     async def embed(self, image: bytes) -> Embedding:
-        request = pb.Image(data=image)
-        self._check_size(pb.EmbedRequest(image=request, dtype="float32"))
+        request = embed_request(pb.Image(data=image), dtype="float32")
+        self._check_size(request)
         with _remote_errors():
-            header, rows = await self.client.embed(request, dtype="float32")
+            header, rows = await self.client.send_embed(request)
         return Embedding(np.ascontiguousarray(rows, dtype=np.float32), tuple(header.grid_thw), header.num_tokens)
 
     async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
-        wire = wire_messages(chat)
-        self._check_size(generate_request(wire, chat.tools, "", max_new_tokens, sampling, chat.kwargs))
+        request = generate_request(wire_messages(chat), chat.tools, "", max_new_tokens, sampling, chat.kwargs)
+        self._check_size(request)
         reply = Reply()
         with _remote_errors():
-            async for event in self.client.generate(wire, tools=chat.tools, max_new_tokens=max_new_tokens,
-                                                    sampling=sampling, chat_kwargs=chat.kwargs):
+            async for event in self.client.send_generate(request):
                 item = _engine_item(event)
                 if item is not None:
                     reply.add(item)

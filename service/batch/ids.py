@@ -40,9 +40,6 @@ class IdTable:
     def __len__(self) -> int:
         return len(self._hi) + len(self._recent)
 
-    def __contains__(self, custom_id: str) -> bool:
-        return self._find(_key(custom_id)) is not None
-
     def get(self, custom_id: str) -> int | None:
         return self._find(_key(custom_id))
 

@@ -7,7 +7,7 @@ Exactly-once rests on three rules:
   torn LAST line; while the job runs the output is this journal, in completion order;
 - `--resume` first makes the journal clean: it drops a torn last line and the rows of transient
   failures (those lines run again), takes back the rows a finished run moved to the errors file,
-  rewriting the output atomically (temporary file, fsync, rename), then skips every id that still
+  rewriting the output atomically (`service.files.atomic_path`), then skips every id that still
   has a row;
 - the options that change results are stored beside the output (`<output>.job.json`) and a resume
   with different options is refused, so one file never mixes two jobs.
@@ -35,8 +35,8 @@ from typing import Any
 
 from service.batch.ids import IdTable
 from service.batch.rows import is_ok, is_transient, line_of, shard_file
+from service.files import atomic_path, write_atomic
 from service.files import fsync_dir as _fsync_dir
-from service.files import write_atomic
 
 
 class ResumeRefused(Exception):
@@ -127,7 +127,7 @@ def prepare(output: Path, fingerprint: dict[str, Any], *, resume: bool, errors: 
     earlier runs did."""
     resuming = check(output, fingerprint, resume=resume, errors=errors)
     for path in (output, errors):
-        if path is not None:  # a rewrite cut short by a crash
+        if path is not None:  # a rewrite cut short by a crash: atomic_path's `.NAME.<pid>-<hex>.tmp`, finish's runs
             for stale in path.parent.glob(f".{path.name}.*.tmp"):
                 stale.unlink()
     if not resuming:
@@ -143,22 +143,18 @@ def _compact(output: Path, errors: Path | None) -> Prior:
 
     Streams the files (a job of millions of rows must not need its output in memory): one pass to
     decide, and only when something must change, a second pass writing the kept lines to a
-    temporary file that replaces the output atomically. Both passes decide alike.
+    temporary file that replaces the output atomically (`service.files.atomic_path`). Both passes
+    decide alike.
     """
     sources = [output] + ([errors] if errors is not None and errors.exists() else [])
     prior = Prior()
     for source in sources:
         _scan(source, output.parent, prior, keep=None)
     if prior.dropped or prior.torn or len(sources) > 1:
-        tmp = _tmp(output)
-        with open(tmp, "wb") as f:
+        with atomic_path(output) as tmp, open(tmp, "wb") as f:
             prior = Prior()
             for source in sources:
                 _scan(source, output.parent, prior, keep=f.write)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-        _fsync_dir(output.parent)
         if len(sources) > 1:  # its rows are in the output now
             errors.unlink()
             _fsync_dir(errors.parent)
@@ -229,31 +225,27 @@ _KEY = 20  # a run's record: the row's line (20 digits: bytes sort as numbers), 
 
 def finish(output: Path, errors: Path | None = None) -> None:
     """Every line has its row: put the output in input order and, with `errors`, move the failed
-    rows there (also in input order). Nothing is rewritten when the output is in order already
-    and there is no errors file to write.
+    rows there (also in input order). Nothing is written when the output is in order already
+    and there is no errors file to write (a read-only pass finds that first).
 
     An external merge sort, so memory stays bounded however many rows: runs of sorted rows
     written beside the output (`.OUT.<pid>.run-N.tmp`, cleared by `prepare` if a crash leaves
-    them), merged by line into the temporary files that replace the outputs."""
+    them), merged by line into the temporary files that replace the outputs (`atomic_path`)."""
+    if errors is None and _in_order(output):
+        return
     runs: list[Path] = []
     try:
-        in_order = True
-        last = 0
         chunk: list[bytes] = []
         size = 0
         with open(output, "rb") as f:
             for raw in f:
                 row = json.loads(raw)
                 line = line_of(row)
-                in_order = in_order and line >= last
-                last = line
                 chunk.append(b"%020d%d" % (line, not is_ok(row)) + raw)
                 size += len(raw)
                 if len(chunk) >= _RUN_ROWS or size >= _RUN_BYTES:
                     runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
                     chunk, size = [], 0
-        if in_order and errors is None:
-            return
         if chunk:
             runs.append(_write_run(output, len(runs), sorted(chunk, key=_line_key)))
         del chunk
@@ -266,25 +258,29 @@ def finish(output: Path, errors: Path | None = None) -> None:
                 for run in group:
                     run.unlink()
             runs = merged
-        kept = _tmp(output)
-        failures = None if errors is None else _tmp(errors)
-        with open(kept, "wb") as ok_file, \
+        # The errors file's block is the inner one, so it is replaced first: the failed rows are
+        # safe before they leave the output.
+        with atomic_path(output) as kept, open(kept, "wb") as ok_file, \
+                (contextlib.nullcontext() if errors is None else atomic_path(errors)) as failures, \
                 (contextlib.nullcontext() if failures is None else open(failures, "wb")) as failed_file:
             for record in _merged(runs):
                 failed = failed_file is not None and record[_KEY] == ord("1")
                 (failed_file if failed else ok_file).write(memoryview(record)[_KEY + 1:])
-            for f in (ok_file, failed_file):
-                if f is not None:
-                    f.flush()
-                    os.fsync(f.fileno())
-        if errors is not None:
-            os.replace(failures, errors)
-            _fsync_dir(errors.parent)  # the failed rows are safe before they leave the output
-        os.replace(kept, output)
-        _fsync_dir(output.parent)
     finally:
         for run in runs:
             run.unlink(missing_ok=True)
+
+
+def _in_order(output: Path) -> bool:
+    """The rows are in input order already (a read-only pass: a resumed finished job, an in-order run)."""
+    last = 0
+    with open(output, "rb") as f:
+        for raw in f:
+            line = line_of(json.loads(raw))
+            if line < last:
+                return False
+            last = line
+    return True
 
 
 def _line_key(record: bytes) -> bytes:
@@ -303,10 +299,6 @@ def _merged(runs: list[Path]) -> Iterator[bytes]:
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(open(run, "rb")) for run in runs]
         yield from heapq.merge(*files, key=_line_key)
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def _write_all(fd: int, data: bytes) -> None:

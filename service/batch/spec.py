@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+
 TASKS = ("caption", "ocr", "embed")
 DEFAULT_PROMPTS = {
     "caption": "Describe this image in one short sentence.",
@@ -26,8 +28,8 @@ class JobSpec:
     allow_remote_images: bool = False  # fetch http(s) image URLs
     allowed_media_domains: tuple[str, ...] | None = None  # only from these hosts (None: any public one)
     # How remote images are fetched (not in the fingerprint: they change when a fetch fails, not what it gives).
-    media_fetch_timeout_s: float = 10.0
-    max_media_fetches: int = 16
+    media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
+    max_media_fetches: int = DEFAULT_CONCURRENCY
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

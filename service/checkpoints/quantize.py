@@ -81,13 +81,21 @@ def quantize_checkpoint(src: Path, out: Path, quant: dict[str, Any] | None = Non
         for item in sorted(ckpt.path.iterdir()):
             if item.name in skip or item.name.endswith(".safetensors") or item.name.startswith("."):
                 continue
-            # The content only: the copies get ordinary permissions, as the files written here do.
-            if item.is_dir():
-                shutil.copytree(item, out / item.name, copy_function=shutil.copyfile)
-            else:
-                shutil.copyfile(item, out / item.name)
+            _copy_content(item, out / item.name)
     except OSError as e:
         raise QuantizeError(f"cannot write {out}: {e}") from None
     finally:
         ckpt.close()
     return packed
+
+
+def _copy_content(src: Path, dst: Path) -> None:
+    """Copy a file, or a directory recursively, by content only: every copy gets ordinary
+    permissions (mkdir and open under the umask), as the files written here do. shutil.copytree
+    would copy each directory's mode, whatever its copy_function."""
+    if src.is_dir():
+        dst.mkdir()
+        for child in sorted(src.iterdir()):
+            _copy_content(child, dst / child.name)
+    else:
+        shutil.copyfile(src, dst)

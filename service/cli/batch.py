@@ -28,6 +28,8 @@ from service.cli.common import (
     add_remote_image_arguments,
     checkpoint_dir,
     image_limits,
+    positive_float,
+    positive_int,
     remote_image_problem,
 )
 
@@ -51,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "credentials, so the server must be on this machine; a refused token stops the job")
     add_model_arguments(parser)
     add_image_limit_arguments(parser, note="; not with --server, whose own limits apply (GetModelInfo reports them)")
-    parser.add_argument("--concurrency", type=int, metavar="N",
+    parser.add_argument("--concurrency", type=positive_int, metavar="N",
                         help="inputs in flight (default: 2 per encoder worker; 8 with --server; "
                              "with --engine ray: encoder actors when there is no GPU)")
-    parser.add_argument("--max-new-tokens", type=int, metavar="N",
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N",
                         help="caption/ocr length limit where a line sets no max_tokens (default 64 caption, 512 ocr)")
     parser.add_argument("--prompt", metavar="TEXT",
                         help="replace the task's default prompt (directory and path-list inputs; a JSONL line's "
@@ -67,15 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("local", "ray"), default="local", help="local (default) or ray")
     parser.add_argument("--ray-address", metavar="ADDR",
                         help="with --engine ray: an existing cluster (default: start Ray locally)")
-    parser.add_argument("--log-every", type=float, default=10.0, metavar="S",
+    parser.add_argument("--log-every", type=positive_float, default=10.0, metavar="S",
                         help="seconds between progress lines when stderr is not a terminal (default 10)")
 
 
 def _problem(args: argparse.Namespace) -> str | None:
-    if args.concurrency is not None and args.concurrency < 1:
-        return f"--concurrency must be >= 1, got {args.concurrency}"
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
     if (problem := remote_image_problem(args)) is not None:
         return problem
     if args.auth_token is not None and not args.server:
@@ -93,8 +91,6 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--ray-address needs --engine ray"
     if args.task == "embed" and (args.prompt is not None or args.max_new_tokens is not None):
         return "--prompt and --max-new-tokens do not apply to --task embed"
-    if args.log_every <= 0:
-        return f"--log-every must be > 0, got {args.log_every}"
     if args.prompt is not None and Path(args.input).suffix.lower() == ".jsonl" and not Path(args.input).is_dir():
         return "--prompt applies to directory and path-list inputs; a JSONL line's prompt is its own messages"
     if args.errors is not None and os.path.abspath(args.errors) == os.path.abspath(args.output):

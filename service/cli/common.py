@@ -1,10 +1,12 @@
 """What several commands share: the model flags, the per-image limit flags (`vision.Limits`, for every
-command that reads images), the remote-image flags (`serve` and `batch` fetch by the same rules),
-and resolving the checkpoint (the only place the embedded default is chosen)."""
+command that reads images) and reading an image file under them, the remote-image flags (`serve` and
+`batch` fetch by the same rules), and resolving the checkpoint (the only place the embedded default
+is chosen)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +87,15 @@ def image_limits(args: argparse.Namespace, *, max_mb: int | None = None) -> Limi
         max_bytes = default.max_bytes if max_mb is None else min(default.max_bytes, max_mb << 20)
     mp = args.max_image_megapixels
     return replace(default, max_bytes=max_bytes, max_pixels=default.max_pixels if mp is None else mp * _MEGAPIXEL)
+
+
+def read_image_file(path: str | os.PathLike[str], limits: Limits) -> bytes:
+    """The bytes of the image file at `path`. A file whose size is over `limits.max_bytes` is refused
+    (`ImageTooLargeError`, as the decoder words it) before it is read; one whose size `stat` cannot
+    tell (a pipe) is read whole and the decoder checks it."""
+    with open(path, "rb") as f:
+        limits.check_encoded_size(os.fstat(f.fileno()).st_size)
+        return f.read()
 
 
 def positive_float(text: str) -> float:

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="safetensors (default): one file, a tensor per input; "
                         "vllm-ec: OUT/<hash>/encoder_cache.safetensors per image")
     common.add_model_arguments(parser, devices=False)
-    parser.add_argument("--workers", type=int, metavar="N", help="number of CPU encoder workers")
+    parser.add_argument("--workers", type=common.positive_int, metavar="N", help="number of CPU encoder workers")
     parser.add_argument("--devices", metavar="SPEC", help="auto (default), cpu:N or cuda:0,1,...")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="tensor dtype (default: float32; bfloat16 with --format vllm-ec)")
@@ -55,15 +55,15 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
     from service.errors import classify
 
     slots = asyncio.Semaphore(2 * len(engine.devices))
+    limits = engine.config.limits
 
     async def one(name: str) -> tuple[str, object, str]:
         async with slots:
             try:
-                with open(name, "rb") as f:
-                    image = ImageInput(f.read())
-            except OSError as e:
-                return name, e.strerror or str(e), ""
-            try:
+                try:
+                    image = ImageInput(common.read_image_file(name, limits))
+                except OSError as e:
+                    return name, e.strerror or str(e), ""
                 (emb,) = await engine.embed([image])
             except Exception as exc:  # noqa: BLE001 - a classified failure is that file's; a bug propagates
                 failure = classify(exc)
@@ -76,9 +76,6 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers is not None and args.workers < 1:
-        print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
-        return 2
     if args.workers is not None and args.devices not in (None, "auto"):
         print("error: give either --workers (CPU) or --devices, not both", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from service.cli.common import add_image_limit_arguments, image_limits
+from service.cli.common import add_image_limit_arguments, image_limits, read_image_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     for path in args.files:
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_image_file(path, limits)
             start = time.perf_counter()
             out = preprocess_image(data, options, limits)
             row = _row(path, out, time.perf_counter() - start)

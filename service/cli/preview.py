@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from service.cli.common import add_image_limit_arguments, image_limits, read_image_file
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="image file")
@@ -18,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N", help="strict cap on tokens")
     parser.add_argument("--exif-transpose", action="store_true", help="apply the EXIF orientation first")
     parser.add_argument("--resize", choices=("exact", "fast"), default="exact", help="resize method")
+    add_image_limit_arguments(parser)
 
 
 def grid_overlay(image, cell: int = 28):
@@ -42,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kimi-vision preview: {args.output}: the output must be a .png file (lossless)", file=sys.stderr)
         return 2
     try:
-        with open(args.file, "rb") as f:
-            data = f.read()
-        out = preprocess_image(data, ImageOptions(max_tokens=args.max_tokens, exif_transpose=args.exif_transpose,
-                                                  resize=args.resize))
+        limits = image_limits(args)
+        out = preprocess_image(read_image_file(args.file, limits),
+                               ImageOptions(max_tokens=args.max_tokens, exif_transpose=args.exif_transpose,
+                                            resize=args.resize), limits)
     except ImageError as e:
         print(f"kimi-vision preview: {args.file}: {e}", file=sys.stderr)
         return 2

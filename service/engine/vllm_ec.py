@@ -71,11 +71,14 @@ def ec_path(directory: str | Path, mm_hash: str) -> Path:
 
 
 def write_ec(directory: str | Path, mm_hash: str, embedding: torch.Tensor) -> Path:
-    """Write one item's embedding, atomically and durably (`service.files`): a reader never sees half a file."""
+    """Write one item's embedding atomically (`service.files.atomic_path`): a reader never sees half
+    a file. Not durably (`durable=False`): this runs per image on the Encode / EC producer request
+    path, one after another before the reply, where a file fsync and a directory fsync each would
+    wait on the disk; the export needs the rename, not the file to outlive a power loss."""
     if embedding.dim() != 2:
         raise ValueError(f"an encoder-cache entry is [num_tokens, hidden], got shape {tuple(embedding.shape)}")
     target = ec_path(directory, mm_hash)
-    with atomic_path(target) as tmp:
+    with atomic_path(target, durable=False) as tmp:
         save_file({TENSOR_NAME: embedding.detach().to("cpu").contiguous()}, str(tmp))
     return target
 

@@ -156,8 +156,15 @@ def _count_tokens_request(data, messages, tools, thinking_effort, chat_kwargs) -
     return pb.CountTokensRequest(image=_as_image(data))
 
 
+def embed_request(data: bytes | pb.Image, dtype: str = "float32") -> pb.EmbedRequest:
+    """The EmbedRequest `embed` sends (a caller that checks its size first builds it once and sends
+    it with `AsyncVisionClient.send_embed`)."""
+    return pb.EmbedRequest(image=_as_image(data), dtype=dtype)
+
+
 def generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs) -> pb.GenerateRequest:
-    """The GenerateRequest `generate` sends (a caller that checks its size first builds the same)."""
+    """The GenerateRequest `generate` sends (a caller that checks its size first builds it once and
+    sends it with `AsyncVisionClient.send_generate`)."""
     return pb.GenerateRequest(messages=messages, tools_json=_tools_json(tools), thinking_effort=thinking_effort,
                               max_new_tokens=max_new_tokens, chat_kwargs_json=_kwargs_json(chat_kwargs),
                               sampling=pb.Sampling(**(sampling or {})))
@@ -216,8 +223,7 @@ class VisionClient:
 
     def embed(self, data: bytes | pb.Image, *, dtype: str = "float32",
               timeout: float | None = None) -> tuple[pb.EmbedHeader, np.ndarray]:
-        req = pb.EmbedRequest(image=_as_image(data), dtype=dtype)
-        return _collect(list(self.stub.Embed(req, timeout=self._t(timeout))))
+        return _collect(list(self.stub.Embed(embed_request(data, dtype), timeout=self._t(timeout))))
 
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
@@ -235,7 +241,9 @@ class VisionClient:
 
 
 class AsyncVisionClient:
-    """asyncio client (grpc.aio); the same methods as `VisionClient`, awaited."""
+    """asyncio client (grpc.aio); the same methods as `VisionClient`, awaited, and `send_embed` /
+    `send_generate`, which send a request built beforehand (`embed_request`, `generate_request`:
+    one whose size the caller checked, built once)."""
 
     def __init__(self, target: str, *, timeout: float | None = None, max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
                  max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
@@ -280,14 +288,21 @@ class AsyncVisionClient:
 
     async def embed(self, data: bytes | pb.Image, *, dtype: str = "float32",
                     timeout: float | None = None) -> tuple[pb.EmbedHeader, np.ndarray]:
-        req = pb.EmbedRequest(image=_as_image(data), dtype=dtype)
-        return _collect([chunk async for chunk in self.stub.Embed(req, timeout=self._t(timeout))])
+        return await self.send_embed(embed_request(data, dtype), timeout=timeout)
+
+    async def send_embed(self, request: pb.EmbedRequest, *,
+                         timeout: float | None = None) -> tuple[pb.EmbedHeader, np.ndarray]:
+        return _collect([chunk async for chunk in self.stub.Embed(request, timeout=self._t(timeout))])
 
     def generate(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                  thinking_effort: str = "", max_new_tokens: int = 0, sampling: dict | None = None,
                  chat_kwargs: dict | None = None, timeout: float | None = None) -> AsyncIterator[pb.GenerateEvent]:
         req = generate_request(messages, tools, thinking_effort, max_new_tokens, sampling, chat_kwargs)
-        return self.stub.Generate(req, timeout=self._t(timeout))
+        return self.send_generate(req, timeout=timeout)
+
+    def send_generate(self, request: pb.GenerateRequest, *,
+                      timeout: float | None = None) -> AsyncIterator[pb.GenerateEvent]:
+        return self.stub.Generate(request, timeout=self._t(timeout))
 
     async def encode(self, messages: list[pb.ChatMessage], *, tools: list[dict] | str | None = None,
                      thinking_effort: str = "", chat_kwargs: dict | None = None, dtype: str = "float32",
