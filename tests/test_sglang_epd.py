@@ -7,6 +7,8 @@ allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ so
   receives equal the Embed RPC's bfloat16 rows bit for bit, SGLang's part validation takes every
   part, and each image's grid and original size are what K3's SGLang processor reads;
 - a bad image is an error the language side has within a second, on the socket and in the answer;
+- remote images are fetched by the chat route's rules (`--allowed-media-domains`, the image count
+  before any fetch), from a real upstream on 127.0.0.1;
 - the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
 - refusals (fields, video, mooncake) and `/health`, `/health_generate`.
 """
@@ -25,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from image_upstream import ImageUpstream
 from images import png
 from PIL import Image
 from serve_process import ServeProcess
@@ -48,8 +51,10 @@ IMAGES = [PHOTO.read_bytes(), png(150, 90, seed=1), png(64, 200, seed=2)]
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
-    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more): the process and an HTTP client."""
-    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"],
+    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more; remote images from
+    127.0.0.1 only, as the tests' upstream is allowed): the process and an HTTP client."""
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0", "--allow-remote-images",
+                              "--allowed-media-domains", "127.0.0.1"],
                              log_path=tmp_path_factory.mktemp("sglang") / "serve.log") as proc,
           httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http):
         yield SimpleNamespace(proc=proc, http=http)
@@ -158,6 +163,28 @@ def test_a_bad_image_is_the_language_sides_error_within_a_second(http, context):
     error = receive(rank, "bad-2", timeout_s=1.0)
     assert time.monotonic() - start < 1.0 and reply.status_code == 400
     assert error.error_code == 400 and "bad image" in error.error_msg
+
+
+def test_remote_images_are_fetched_by_the_chat_routes_rules(http, context, expected):
+    """The face's one fetcher: a listed host's image arrives as the RPC's rows; a host not listed is
+    refused without a connection, and too many images before any fetch; the language side is told."""
+    sock, port = bound_pull(context)
+    with ImageUpstream(IMAGES[1]) as upstream:
+        reply = http.post("/encode", json={**_encode_body("remote-1", [], 1, 0, embedding_port=port),
+                                           "mm_items": [upstream.url("/image.png")]})
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        _check(receive(sock, "remote-1", timeout_s=30), [1], expected)
+        fetched = upstream.hits["/image.png"]
+        for req_id, items, status, words in (
+                ("remote-2", [upstream.url("/image.png", host="localhost")], 400,
+                 "allowed domains ['127.0.0.1']; this one is from 'localhost'"),
+                ("remote-3", [upstream.url("/image.png")] * 17, 413, "too many images: 17")):
+            reply = http.post("/encode", json={**_encode_body(req_id, [], 1, 0, embedding_port=port),
+                                               "mm_items": items})
+            assert reply.status_code == status and words in reply.json()["message"], reply.text
+            error = receive(sock, req_id, timeout_s=5)
+            assert error.error_code == status and error.error_msg == reply.json()["message"]
+        assert upstream.hits["/image.png"] == fetched and "localhost" not in " ".join(upstream.hosts)
 
 
 def test_the_wire_object_is_sglangs_embedding_data():

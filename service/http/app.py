@@ -9,7 +9,7 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   chunk and `[DONE]`) with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
   reports them (per key: the item positions and the placeholder metadata), without the trunk.
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
-  its bodies are read as the chat route reads them.
+  its bodies are read, and its images fetched, as the chat route reads and fetches them.
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
   token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names.
@@ -314,7 +314,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         async with admission.enter() as ticket:
             return await _read_body(request, ticket, config, face.parser)
 
-    add_sglang_routes(app, admission, read_json, allow_remote_images=config.allow_remote_images)
+    add_sglang_routes(app, admission, read_json, fetcher)
     return face
 
 

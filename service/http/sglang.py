@@ -7,6 +7,9 @@ as the OpenAI API. The routes, fields and answers are those of SGLang's own enco
   one part of a request's images (`mm_items`: `data:` URLs, or `http(s)` ones with
   `--allow-remote-images`; a `{"url": ..., "content_hash": ...}` item too) is embedded by the
   engine and pushed to the language side over ZMQ as SGLang's receiver reads it (`sglang_wire`).
+  It is admitted as the chat route is: its place first, the image count, then its images fetched
+  by the face's one fetcher (the same rules: `--allowed-media-domains`, `--media-fetch-timeout`,
+  `--max-media-fetches`; all at once, outside the work slots), and only then a work slot.
   Where to, the request says: `embedding_port` an int is `zmq_to_tokenizer` (push to
   `prefill_host:embedding_port`); absent or null is `zmq_to_scheduler` (push to every scheduler rank
   that registers the part, once `receive_count` have); a list of ports pushes to each at
@@ -45,7 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
-from service.admission import Admission
+from service.admission import Admission, Ticket
 from service.engine import Engine, ImageEmbedding, ImageInput
 from service.errors import BadRequest, DeadlineExceeded, Failure, Unavailable, Unsupported, failure_for
 from service.http.sglang_wire import ROW_DTYPE, error_frames, part_frames
@@ -65,6 +68,7 @@ _MOONCAKE = ("the mooncake (RDMA) transfer backend is not served by this encoder
              "with --encoder-transfer-backend zmq_to_scheduler or zmq_to_tokenizer")
 
 JsonReader = Callable[[Request], Awaitable[Any]]
+FetcherOf = Callable[[Engine], ImageFetcher]  # the face's one fetcher (made with the engine's per-image limit)
 
 
 @dataclass(frozen=True)
@@ -271,16 +275,20 @@ def _frames(part: EncodePart, embeddings: list[ImageEmbedding]) -> list[Any]:
                        [e.orig_size for e in embeddings])
 
 
-async def _encoded(engine: Engine, part: EncodePart, allow_remote: bool) -> list[Any]:
-    """The part's images through the engine, as the message SGLang's receiver takes."""
-    fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=allow_remote)
-    images = [ImageInput(await fetcher.fetch(item), where=item.where) for item in part.items]
-    embeddings = await engine.embed(images)
-    return await engine.run_cpu(_frames, part, embeddings)
+async def _encoded(ticket: Ticket, engine: Engine, part: EncodePart, fetcher: ImageFetcher) -> list[Any]:
+    """The part's images through the engine, as the message SGLang's receiver takes: the chat
+    route's order (the image count, then every image fetched, then a work slot)."""
+    engine.check_image_count(len(part.items))
+    data = await fetcher.fetch_all(part.items)  # not holding a work slot
+    images = [ImageInput(item_bytes, where=item.where) for item_bytes, item in zip(data, part.items, strict=True)]
+    async with ticket.work():
+        embeddings = await engine.embed(images)
+        return await engine.run_cpu(_frames, part, embeddings)
 
 
-def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader, *, allow_remote_images: bool) -> None:
-    """Serve SGLang's encoder routes on `app`; every request is admitted like the face's others."""
+def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader, fetcher: FetcherOf) -> None:
+    """Serve SGLang's encoder routes on `app`; every request is admitted like the face's others,
+    and its images fetched by the face's `fetcher`."""
     destinations = Destinations()
     pusher = Pusher()
     background: set[asyncio.Task[None]] = set()
@@ -307,8 +315,9 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
         except Exception as exc:  # noqa: BLE001 - a refused request has no destination to be told
             return _error(failure_for(exc), _req_id(body))
         try:
-            async with admission.admit() as engine:  # the work slot is free again while the rows travel
-                frames = await _encoded(engine, part, allow_remote_images)
+            async with admission.enter() as ticket:
+                engine = admission.engine  # set once the server serves, which admission checked
+                frames = await _encoded(ticket, engine, part, fetcher(engine))
         except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
             failure = failure_for(exc)
             report(part, failure.message, failure.rule.http)
