@@ -10,13 +10,15 @@ allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ so
 - remote images are fetched by the chat route's rules (`--allowed-media-domains`, the image count
   before any fetch), from a real upstream on 127.0.0.1;
 - the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
-- refusals (fields, video, mooncake) and `/health`, `/health_generate`.
+- refusals (fields, video, mooncake) and `/health`, `/health_generate`;
+- a drain (SIGTERM) waits for a push still in flight: the language side gets its rows.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +32,7 @@ import zmq
 from image_upstream import ImageUpstream
 from images import png
 from PIL import Image
-from serve_process import ServeProcess
+from serve_process import ServeProcess, free_port
 from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
 
 from service.http.sglang_wire import error_frames, part_frames
@@ -238,3 +240,27 @@ def test_mooncake_is_refused_and_ends_a_waiting_encode(http):
 def test_health(http):
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
+
+
+def test_a_drain_waits_for_a_push_in_flight(tmp_path, context):
+    """SIGTERM while a part is pushed to two ports, one not listening yet: the server keeps draining
+    (past what an idle server would take to stop) until the second port takes the rows, then the
+    answer is 200 and the server exits 0."""
+    first, first_port = bound_pull(context)
+    second_port = free_port()
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0", "--drain-seconds", "30"],
+                             log_path=tmp_path / "serve.log") as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
+          ThreadPoolExecutor(1) as pool):
+        body = _encode_body("drain-1", IMAGES[1:2], 1, 0, embedding_port=[first_port, second_port])
+        pending = pool.submit(http.post, "/encode", json=body)
+        receive(first, "drain-1", timeout_s=60)  # the part is encoded and on its way
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(8)  # an idle server stops within STOP_GRACE_S and uvicorn's 5 s graceful shutdown
+        assert proc.proc.poll() is None and not pending.done(), proc.log_text()[-2000:]
+        second = context.socket(zmq.PULL)
+        second.bind(f"tcp://127.0.0.1:{second_port}")
+        assert receive(second, "drain-1", timeout_s=30).ready
+        reply = pending.result(30)
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        assert proc.proc.wait(60) == 0, proc.log_text()[-2000:]

@@ -14,7 +14,8 @@ as the OpenAI API. The routes, fields and answers are those of SGLang's own enco
   `prefill_host:embedding_port`); absent or null is `zmq_to_scheduler` (push to every scheduler rank
   that registers the part, once `receive_count` have); a list of ports pushes to each at
   `prefill_host`. Both backends are served at once, request by request. The answer, after the push:
-  200 `null`.
+  200 `null`. The request keeps its admission place (not its work slot) until the push ends, so a
+  drain waits for the rows to reach the language side.
 - `POST /scheduler_receive_url` `{req_id, receive_count, receive_url, modality}`: a scheduler rank
   names where it takes a part (`zmq_to_scheduler`); before or after that part's `/encode` arrives.
 - `GET /health_generate`: a fresh tiny image through the engine when it is idle (200, else 503); `GET /health` is
@@ -314,18 +315,21 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
             part = parse_encode_request(body)
         except Exception as exc:  # noqa: BLE001 - a refused request has no destination to be told
             return _error(failure_for(exc), _req_id(body))
-        try:
-            async with admission.enter() as ticket:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                ticket = await stack.enter_async_context(admission.enter())
                 engine = admission.engine  # set once the server serves, which admission checked
                 frames = await _encoded(ticket, engine, part, fetcher(engine))
-        except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
-            failure = failure_for(exc)
-            report(part, failure.message, failure.rule.http)
-            return _error(failure, part.req_id)
-        try:
-            await pusher.deliver(destinations, part, frames)
-        except Exception as exc:  # noqa: BLE001 - a push that did not happen is this request's error
-            return _error(failure_for(exc), part.req_id)
+            except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
+                failure = failure_for(exc)
+                report(part, failure.message, failure.rule.http)
+                return _error(failure, part.req_id)
+            # The place (not the work slot) is kept while the rows travel: a drain waits for the
+            # push, and the pushes in flight (each holding a part's rows) count against the capacity.
+            try:
+                await pusher.deliver(destinations, part, frames)
+            except Exception as exc:  # noqa: BLE001 - a push that did not happen is this request's error
+                return _error(failure_for(exc), part.req_id)
         return JSONResponse(None)
 
     @app.post("/scheduler_receive_url")
