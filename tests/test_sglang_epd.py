@@ -11,11 +11,13 @@ allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ so
   before any fetch), from a real upstream on 127.0.0.1;
 - the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
 - refusals (fields, video, mooncake) and `/health`, `/health_generate`;
-- a drain (SIGTERM) waits for a push still in flight: the language side gets its rows.
+- a drain (SIGTERM) waits for a push still in flight: the language side gets its rows; a server
+  stopped in its own process leaves no error report running on its loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import signal
@@ -35,8 +37,10 @@ from PIL import Image
 from serve_process import ServeProcess, free_port
 from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
 
+from service.engine import EngineConfig
 from service.http.sglang_wire import error_frames, part_frames
 from service.rpc.client import VisionClient
+from service.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHOTO = REPO_ROOT / "samples" / "photo.jpg"
@@ -264,3 +268,18 @@ def test_a_drain_waits_for_a_push_in_flight(tmp_path, context):
         reply = pending.result(30)
         assert (reply.status_code, reply.json()) == (200, None), reply.text
         assert proc.proc.wait(60) == 0, proc.log_text()[-2000:]
+
+
+def test_a_stopped_server_leaves_no_error_report_running(tiny_checkpoint):
+    """An error report waiting for a language side that never listens is ended when the server stops."""
+    with ServerThread(ServerConfig(port=0, http_port=0), EngineConfig(checkpoint=tiny_checkpoint,
+                                                                      devices="cpu:1")) as handle:
+        body = {**_encode_body("gone-1", [], 1, 0, embedding_port=free_port()), "mm_items": [_url(b"junk")]}
+        reply = httpx.post(f"http://127.0.0.1:{handle.server.http_port}/encode", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+
+        async def reports() -> int:
+            return sum(task.get_coro().__qualname__ == "Pusher.deliver" for task in asyncio.all_tasks())
+
+        assert handle.submit(reports()).result(10) == 1  # waiting for its peer (up to SEND_TIMEOUT_S)
+    assert not [task for task in asyncio.all_tasks(handle.loop) if task.get_coro().__qualname__ == "Pusher.deliver"]

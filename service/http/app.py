@@ -139,8 +139,12 @@ class HttpApp:
         self.log_health_checks = log_health_checks
         # One thread parses the large bodies: their memory stays in one allocator arena.
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-http-json")
+        self.closing: list[Callable[[], None]] = []  # what the routes hold beyond a request (SGLang's pushes)
 
     def close(self) -> None:
+        """Once the server stopped serving: what the routes hold, then the parser thread."""
+        for close in self.closing:
+            close()
         self.parser.shutdown(wait=False, cancel_futures=True)
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
@@ -314,7 +318,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         async with admission.enter() as ticket:
             return await _read_body(request, ticket, config, face.parser)
 
-    add_sglang_routes(app, admission, read_json, fetcher)
+    face.closing.append(add_sglang_routes(app, admission, read_json, fetcher))
     return face
 
 

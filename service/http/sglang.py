@@ -203,6 +203,12 @@ class Pusher:
     def __init__(self) -> None:
         self._context: zmq.asyncio.Context | None = None
 
+    def close(self) -> None:
+        """Close every socket at once (what is still queued is dropped: the server is stopping)."""
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+
     async def push(self, host_port: str, frames: list[Any]) -> None:
         if self._context is None:
             self._context = zmq.asyncio.Context()
@@ -287,9 +293,11 @@ async def _encoded(ticket: Ticket, engine: Engine, part: EncodePart, fetcher: Im
         return await engine.run_cpu(_frames, part, embeddings)
 
 
-def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader, fetcher: FetcherOf) -> None:
+def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
+                      fetcher: FetcherOf) -> Callable[[], None]:
     """Serve SGLang's encoder routes on `app`; every request is admitted like the face's others,
-    and its images fetched by the face's `fetcher`."""
+    and its images fetched by the face's `fetcher`. Returns the routes' close (once the server
+    stopped serving): the error reports still under way are cancelled, the ZMQ context destroyed."""
     destinations = Destinations()
     pusher = Pusher()
     background: set[asyncio.Task[None]] = set()
@@ -369,3 +377,10 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
             log.warning("health_generate: %s", failure_for(exc).message)
             return Response(status_code=503)
         return Response(status_code=200)
+
+    def close() -> None:
+        for task in list(background):
+            task.cancel()
+        pusher.close()
+
+    return close
