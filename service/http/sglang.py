@@ -62,6 +62,8 @@ log = logging.getLogger("kimi_vision.sglang")
 # how long a push may take, and how long a part waits for its scheduler ranks to register.
 SEND_TIMEOUT_S = 180.0
 REGISTRATION_TIMEOUT_S = 180.0
+# How often a push looks whether its frames have left: from the first pause, doubling, up to the longest.
+FIRST_POLL_S, LONGEST_POLL_S = 0.001, 0.05
 # Item options SGLang passes along that change an image's preprocessing: this encoder preprocesses
 # every image as the release does, so they are refused by name (`content_hash` only names the item).
 _ITEM_KEYS = {"url", "content_hash"}
@@ -196,6 +198,19 @@ class Destinations:
         self._parts.pop(req_id, None)
 
 
+async def _sent(tracker: zmq.MessageTracker, timeout_s: float) -> bool:
+    """Whether ZMQ is done with the tracked frames within `timeout_s`: looked at from the event loop,
+    so a slow peer holds no thread (the default executor also resolves hosts and loads the engine)."""
+    deadline = time.monotonic() + timeout_s
+    pause = FIRST_POLL_S
+    while not tracker.done:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, LONGEST_POLL_S)
+    return True
+
+
 class Pusher:
     """ZMQ PUSH to the language side, as SGLang's encoder sends: connect, send the frames (waiting
     for the peer, `IMMEDIATE`), let the socket flush them, close."""
@@ -220,8 +235,9 @@ class Pusher:
         try:
             sock.connect(f"tcp://{host_port}")
             tracker = await sock.send_multipart(frames, copy=False, track=True)
-            await asyncio.to_thread(tracker.wait, SEND_TIMEOUT_S)
-        except (zmq.ZMQError, zmq.NotDone) as exc:
+            if not await _sent(tracker, SEND_TIMEOUT_S):
+                raise Unavailable(f"cannot push the embedding to {host_port}: not sent within {SEND_TIMEOUT_S:g} s")
+        except zmq.ZMQError as exc:
             raise Unavailable(f"cannot push the embedding to {host_port}: {exc}") from None
         finally:
             sock.close()
