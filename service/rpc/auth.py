@@ -24,6 +24,7 @@ import grpc
 
 from service import errors
 from service.auth import BearerToken
+from service.rpc.status import abort
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
@@ -48,8 +49,7 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, method: str,
 
     async def unary(_request: object, context: grpc.aio.ServicerContext) -> None:
         log.warning("refused %s: %s", method, failure.message)
-        trailing = (*(context.trailing_metadata() or ()), (errors.KIND_METADATA, failure.kind.value))
-        await context.abort(failure.rule.grpc, failure.message, trailing_metadata=trailing)
+        await abort(context, failure)
 
     async def stream(request: object, context: grpc.aio.ServicerContext):  # async generator
         await unary(request, context)
