@@ -71,9 +71,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = BearerToken(token)
         self._exempt = frozenset(exempt_services)
 
-    def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        return self._token.refusal(_authorization(metadata)) is None
-
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
