@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import json
 import re
 import time
 
@@ -13,10 +14,12 @@ import pytest
 from image_upstream import ImageUpstream
 from openai_schema import ChatCompletion, ChatCompletionChunk
 
+from service.batch.inputs import load_items
+from service.batch.spec import JobSpec
 from service.engine import ChatInput, Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
-from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
+from service.openai.request import MAX_JSON_DEPTH, TEMPLATE, ImagePart, parse_chat_request, parse_json
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
 from textcore.chat import CHAT_KWARGS, ChatError
@@ -121,6 +124,21 @@ def test_chat_template_kwargs_carry_every_option_the_template_takes():
             parse_chat_request(_body(chat_template_kwargs={key: 1}))
     with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['image_prompts'\]; allowed: "):
         ChatInput([{"role": "user", "content": "x"}], kwargs={"image_prompts": ["x"]})
+
+
+def test_json_nested_too_deep_is_bad_input_on_every_reader(tmp_path):
+    """The depth rule is parse_json's (an HTTP body, a gRPC JSON field) and a batch line's alike, also
+    where json itself gives up (Python's recursion limit)."""
+    assert parse_json("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, "the request body")
+    for levels in (MAX_JSON_DEPTH + 1, 100_000):
+        with pytest.raises(BadRequest, match=f"^the request body nests deeper than {MAX_JSON_DEPTH} levels$"):
+            parse_json("[" * levels + "]" * levels, "the request body")
+    source = tmp_path / "deep.jsonl"
+    good = {"custom_id": "ok", "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    source.write_text(json.dumps(good) + "\n" + '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000
+                      + "}\n")
+    assert [(item.custom_id, item.problem) for item in load_items(source, JobSpec("caption"))] == [
+        ("ok", None), ("<line 2>", f"the line nests deeper than {MAX_JSON_DEPTH} levels")]
 
 
 def test_malformed_messages_name_the_field():

@@ -12,8 +12,10 @@ accepted at its neutral value (`parallel_tool_calls: true`), or refused with an 
 nothing is silently ignored. Here only the JSON types are checked; the ranges are `SamplingParams'`.
 An EC producer, which samples nothing, takes every parameter of vLLM's chat API instead
 (`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
-(those of the `openai` SDK's request types); a body may nest at most `MAX_JSON_DEPTH` levels
-(`parse_json` reads JSON text by the same rule, on every face).
+(those of the `openai` SDK's request types). JSON text a caller sends (an HTTP body, a gRPC JSON
+field, a batch job's JSONL line) may nest at most `MAX_JSON_DEPTH` levels: `parse_json` reads it by
+that rule on every face (`load_json` beneath it, for a reader that names bad JSON its own way), so
+a body reaches `parse_chat_request` already checked.
 """
 
 from __future__ import annotations
@@ -49,13 +51,20 @@ MAX_JSON_DEPTH = 64
 def parse_json(raw: str | bytes, what: str) -> Any:
     """JSON text a caller sent, parsed: not JSON, or nested deeper than `MAX_JSON_DEPTH`, is bad
     input naming `what`."""
+    try:
+        return load_json(raw, what)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+
+
+def load_json(raw: str | bytes, what: str) -> Any:
+    """`json.loads` by the depth rule: nested deeper than `MAX_JSON_DEPTH` is bad input naming
+    `what`; text that is not JSON raises json's own error (`ValueError`, `UnicodeDecodeError`)."""
     too_deep = BadRequest(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         value = json.loads(raw)
     except RecursionError:
         raise too_deep from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
     if _depth(value) > MAX_JSON_DEPTH:
         raise too_deep
     return value
@@ -362,8 +371,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     and the generation settings. Raises BadRequest / Unsupported / SamplingError naming the field."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    if _depth(body) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
