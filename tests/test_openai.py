@@ -99,7 +99,7 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     ({"top_k": 2**31}, BadRequest, r"^top_k must be an integer up to 2147483647, got 2147483648$"),
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
-    ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"secret": 1}}, ChatError, r"unknown chat option\(s\) \['secret'\]; allowed: "),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
     with pytest.raises(error, match=words):
@@ -119,11 +119,12 @@ def test_chat_template_kwargs_carry_every_option_the_template_takes():
     assert request.chat_kwargs == {"reasoning_effort": "high", **options}
     assert request.chat_input([PNG]).kwargs == request.chat_kwargs
     for key in ("image_prompts", "secret"):  # image_prompts is the engine's own
-        with pytest.raises(Unsupported, match=rf"chat_template_kwargs \['{key}'\] are not supported; allowed: "
-                                              r"\['add_generation_prompt', 'thinking', "):
+        with pytest.raises(ChatError, match=rf"unknown chat option\(s\) \['{key}'\]; allowed: "
+                                            r"\['add_generation_prompt', 'thinking', ") as refused:
             parse_chat_request(_body(chat_template_kwargs={key: 1}))
-    with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['image_prompts'\]; allowed: "):
+    with pytest.raises(ChatError) as engine_refused:  # the gRPC face's (its options become ChatInput's kwargs)
         ChatInput([{"role": "user", "content": "x"}], kwargs={"image_prompts": ["x"]})
+    assert str(engine_refused.value) == str(refused.value).replace("secret", "image_prompts")
 
 
 def test_json_nested_too_deep_is_bad_input_on_every_reader(tmp_path):

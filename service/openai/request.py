@@ -28,7 +28,7 @@ from typing import Any
 
 from service.engine import ChatInput, ImageInput, SamplingParams
 from service.errors import BadRequest, Unsupported
-from textcore.chat import CHAT_KWARGS
+from textcore.chat import check_chat_kwargs
 
 # Parameters that change the result and that the engine honours (besides messages and tools), by
 # JSON type; each is the `SamplingParams` field of the same name.
@@ -368,7 +368,7 @@ def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Check a chat-completions body and split it into the template's messages, the image parts
-    and the generation settings. Raises BadRequest / Unsupported / SamplingError naming the field."""
+    and the generation settings. Raises BadRequest / Unsupported / SamplingError / ChatError naming the field."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -404,9 +404,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
-    refused = sorted(set(extra) - set(CHAT_KWARGS))  # every keyword argument the template takes, as vLLM passes them
-    if refused:
-        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(CHAT_KWARGS)}")
+    # Every keyword argument the template takes, as vLLM passes them: the error ChatInput gives (every face's).
+    check_chat_kwargs(extra)
     chat_kwargs.update(extra)
     return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
                        bool(options.get("include_usage")), chat_kwargs)
