@@ -12,7 +12,8 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   its bodies are read, and its images fetched, as the chat route reads and fetches them.
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
   token needed; not access-logged unless `log_health_checks`).
-- `GET /v1/models`: the served model names.
+- `GET /v1/models`: the served model names (503 with admission's reason while there is no model:
+  warming up, or failed to load).
 
 A chat completion's cost is admitted before the work: it takes its admission place before its
 body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
@@ -53,7 +54,7 @@ from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import ChatInput, Choice, Encoding, Engine, GenerationResult, SamplingParams
 from service.engine.vllm_ec import transfer_params
-from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, failure_for
+from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, Unavailable, failure_for
 from service.http.sglang import add_sglang_routes
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
@@ -257,8 +258,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
     @app.get("/v1/models")
     async def models() -> Response:
         engine = admission.engine
-        if engine is None:
-            return _error(Failure(Kind.UNAVAILABLE, "server is warming up; retry shortly"))
+        if engine is None:  # not loaded yet, or never (admission says which)
+            return _error(failure_for(admission.refusal() or Unavailable("server has no model loaded")))
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kimi-vision", "root": engine.model_id,
                  "parent": None} for name in engine.served_model_names]
         return JSONResponse({"object": "list", "data": data})
