@@ -209,6 +209,7 @@ def test_a_producers_stream_is_one_chunk_the_openai_sdk_reads(producer):
     (only,) = chunks
     assert only.choices[0].delta.role == "assistant" and only.choices[0].finish_reason == "length"
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens > 414
+    assert "ec_transfer_params" not in (only.model_extra or {})  # as vLLM's streamed chunks: none
 
 
 class _Decoder(ThreadingHTTPServer):

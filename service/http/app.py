@@ -5,9 +5,11 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   `--allow-remote-images`) through the trunk, streamed as server-sent events with `stream: true`.
   In EC producer mode (`--ec-role producer`) every request is an encode request, whatever its
   `max_tokens` (every vLLM chat parameter is taken: nothing is sampled): its images are encoded and
-  written under the key vLLM looks each up by, and the answer is a `chat.completion` (or one SSE
-  chunk and `[DONE]`) with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
-  reports them (per key: the item positions and the placeholder metadata), without the trunk.
+  written under the key vLLM looks each up by, and the answer is a `chat.completion` with no
+  completion tokens, carrying `ec_transfer_params` as vLLM's producer reports them (per key: the
+  item positions and the placeholder metadata), without the trunk. With `stream: true` it is one SSE
+  chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed chunks carry none (its proxy
+  asks with `stream: false`).
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
   its bodies are read, and its images fetched, as the chat route reads and fetches them.
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
@@ -397,7 +399,8 @@ async def _answer(engine: Engine, request: ChatRequest, chat: ChatInput, params:
 
 def _encoded(encoding: Encoding, model: str, reply_id: str,
              request: ChatRequest) -> dict[str, Any] | AsyncIterator[str]:
-    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key."""
+    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key
+    (in the `chat.completion`; the streamed chunk has none, as vLLM's)."""
     reply = Reply()
     image_tokens = sum(e.num_tokens for e in encoding.embeddings)
     reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), image_tokens, 0)))
