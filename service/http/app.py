@@ -40,7 +40,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +69,6 @@ HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
 WWW_AUTHENTICATE = 'Bearer realm="kimi-vision"'
-PARSE_IN_THREAD_BYTES = 1 << 20  # a larger body is parsed off the event loop
 
 EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
@@ -140,15 +138,12 @@ class HttpApp:
         self.config = config
         self.token = BearerToken(config.token) if config.token else None
         self.log_health_checks = log_health_checks
-        # One thread parses the large bodies: their memory stays in one allocator arena.
-        self.parser = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-http-json")
         self.closing: list[Callable[[], None]] = []  # what the routes hold beyond a request (SGLang's pushes)
 
     def close(self) -> None:
-        """Once the server stopped serving: what the routes hold, then the parser thread."""
+        """Once the server stopped serving: what the routes hold."""
         for close in self.closing:
             close()
-        self.parser.shutdown(wait=False, cancel_futures=True)
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
@@ -303,7 +298,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         streaming = False
         try:
             ticket = await stack.enter_async_context(admission.enter())
-            body = await _read_body(request, ticket, config, face.parser)
+            body = await _read_body(request, ticket, config)
             response = await _unless_disconnected(request, respond(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
@@ -319,17 +314,18 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         """A body as the chat route reads one: a queue place and a body slot while it comes, within
         the body timeout (the work that follows is admitted on its own)."""
         async with admission.enter() as ticket:
-            return await _read_body(request, ticket, config, face.parser)
+            return await _read_body(request, ticket, config)
 
     face.closing.append(add_sglang_routes(app, admission, read_json, fetcher))
     return face
 
 
-async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parser: ThreadPoolExecutor) -> Any:
+async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> Any:
     """The body, parsed: its size checked first (declared, then as it comes), read once a body
     slot is free (`Ticket.reading`) and within the body timeout from then, into one buffer of the
-    declared size (no copies as it grows, nothing for the allocator to keep of them). A large body
-    is parsed on `parser`'s thread, off the event loop."""
+    declared size (no copies as it grows, nothing for the allocator to keep of them). It is parsed
+    on the event loop: json.loads holds the GIL, so a thread would not free the loop meanwhile, and
+    one thread (this one) keeps the parse's memory in one allocator arena, as a pool's threads did not."""
     limit = config.max_body_bytes
     declared = _length(request.headers)
     if declared is not None and declared > limit:
@@ -353,8 +349,6 @@ async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parse
             raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({came})") from None
         except ClientDisconnect:
             raise ClientGone("the client closed the connection while sending the body") from None
-        if size > PARSE_IN_THREAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(parser, parse_json, raw, "the request body")
         return parse_json(raw, "the request body")
 
 
