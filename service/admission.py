@@ -114,13 +114,18 @@ class Admission:
         """What health reports, on every face."""
         return self.state == State.SERVING
 
+    def refusal(self) -> Unavailable | None:
+        """Why the state refuses every request now (warming up, draining, failed to load), or None."""
+        message = _REFUSALS.get(self.state)
+        return None if message is None else Unavailable(message)
+
     @contextlib.asynccontextmanager
     async def enter(self) -> AsyncIterator[Ticket]:
         """A place among the `capacity` requests taken, or the refusal (`Unavailable`: the state;
         `Overloaded`: full)."""
-        refusal = _REFUSALS.get(self.state)
+        refusal = self.refusal()
         if refusal is not None:
-            raise Unavailable(refusal)
+            raise refusal
         if self.admitted >= self.capacity:
             raise Overloaded(f"server is at capacity ({self.capacity} requests admitted); retry with backoff")
         self.admitted += 1

@@ -422,6 +422,15 @@ def test_no_sampling_value_gives_a_5xx_on_any_face(http, rpc):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details(), sampling
 
 
+def test_a_malformed_protobuf_is_bad_input_with_its_kind(rpc):
+    """The protobuf guard refuses as every refusal of the gRPC face does: the status and the kind."""
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.channel.unary_unary("/kimi.vision.v1.VisionService/Preprocess")(b"\xff\xff\xff\xff\x0f\x08", timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid protobuf message of its type (6 bytes)" in info.value.details()
+    assert (KIND_METADATA, "bad_input") in info.value.trailing_metadata()
+
+
 def test_auth_is_in_the_taxonomy_on_every_face(server, tmp_path):
     base = f"http://127.0.0.1:{server.http_port}"
     with httpx.Client(base_url=base, timeout=60) as anonymous:

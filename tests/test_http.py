@@ -39,8 +39,10 @@ from safetensors.torch import load_file, save_file
 from serve_process import ServeProcess, free_port
 
 from service.checkpoints.default import default_checkpoint_dir
+from service.engine import EngineConfig
 from service.openai.request import VLLM_CHAT_PARAMETERS
 from service.rpc.client import VisionClient, user
+from service.server import ServerConfig, ServerThread
 from textcore.generate import SamplingError, SamplingParams
 from vision.checkpoint import INDEX_FILE
 
@@ -207,6 +209,7 @@ def test_a_producers_stream_is_one_chunk_the_openai_sdk_reads(producer):
     (only,) = chunks
     assert only.choices[0].delta.role == "assistant" and only.choices[0].finish_reason == "length"
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens > 414
+    assert "ec_transfer_params" not in (only.model_extra or {})  # as vLLM's streamed chunks: none
 
 
 class _Decoder(ThreadingHTTPServer):
@@ -335,6 +338,20 @@ def test_models_and_health(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["moonshotai/Kimi-K3"]
     assert http.get("/health").status_code == 200
+
+
+def test_models_of_a_server_whose_model_failed_to_load(tmp_path):
+    """/v1/models gives admission's refusal, as the chat route does: failed to load, not warming up."""
+    handle = ServerThread(ServerConfig(port=0, http_port=0), EngineConfig(checkpoint=str(tmp_path / "missing")))
+    try:
+        with pytest.raises(Exception, match="checkpoint directory not found"):
+            handle.wait_ready()
+        with httpx.Client(base_url=f"http://127.0.0.1:{handle.server.http_port}", timeout=30) as client:
+            _error(client.get("/v1/models"), 503, "server failed to load its model")
+            _error(client.post("/v1/chat/completions", json=_chat(SAMPLE.read_bytes())), 503,
+                   "server failed to load its model")
+    finally:
+        handle.stop()
 
 
 # ---------------------------------------------------------------------------------------------

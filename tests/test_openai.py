@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import json
 import re
 import time
 
@@ -13,10 +14,12 @@ import pytest
 from image_upstream import ImageUpstream
 from openai_schema import ChatCompletion, ChatCompletionChunk
 
+from service.batch.inputs import load_items
+from service.batch.spec import JobSpec
 from service.engine import ChatInput, Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
-from service.openai.request import TEMPLATE, ImagePart, parse_chat_request
+from service.openai.request import MAX_JSON_DEPTH, TEMPLATE, ImagePart, parse_chat_request, parse_json
 from service.openai.response import Reply, chunk, completion, error_body
 from textcore import parser as p
 from textcore.chat import CHAT_KWARGS, ChatError
@@ -96,7 +99,7 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     ({"top_k": 2**31}, BadRequest, r"^top_k must be an integer up to 2147483647, got 2147483648$"),
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
-    ({"chat_template_kwargs": {"secret": 1}}, Unsupported, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"secret": 1}}, ChatError, r"unknown chat option\(s\) \['secret'\]; allowed: "),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
     with pytest.raises(error, match=words):
@@ -116,11 +119,27 @@ def test_chat_template_kwargs_carry_every_option_the_template_takes():
     assert request.chat_kwargs == {"reasoning_effort": "high", **options}
     assert request.chat_input([PNG]).kwargs == request.chat_kwargs
     for key in ("image_prompts", "secret"):  # image_prompts is the engine's own
-        with pytest.raises(Unsupported, match=rf"chat_template_kwargs \['{key}'\] are not supported; allowed: "
-                                              r"\['add_generation_prompt', 'thinking', "):
+        with pytest.raises(ChatError, match=rf"unknown chat option\(s\) \['{key}'\]; allowed: "
+                                            r"\['add_generation_prompt', 'thinking', ") as refused:
             parse_chat_request(_body(chat_template_kwargs={key: 1}))
-    with pytest.raises(ChatError, match=r"unknown chat option\(s\) \['image_prompts'\]; allowed: "):
+    with pytest.raises(ChatError) as engine_refused:  # the gRPC face's (its options become ChatInput's kwargs)
         ChatInput([{"role": "user", "content": "x"}], kwargs={"image_prompts": ["x"]})
+    assert str(engine_refused.value) == str(refused.value).replace("secret", "image_prompts")
+
+
+def test_json_nested_too_deep_is_bad_input_on_every_reader(tmp_path):
+    """The depth rule is parse_json's (an HTTP body, a gRPC JSON field) and a batch line's alike, also
+    where json itself gives up (Python's recursion limit)."""
+    assert parse_json("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, "the request body")
+    for levels in (MAX_JSON_DEPTH + 1, 100_000):
+        with pytest.raises(BadRequest, match=f"^the request body nests deeper than {MAX_JSON_DEPTH} levels$"):
+            parse_json("[" * levels + "]" * levels, "the request body")
+    source = tmp_path / "deep.jsonl"
+    good = {"custom_id": "ok", "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    source.write_text(json.dumps(good) + "\n" + '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000
+                      + "}\n")
+    assert [(item.custom_id, item.problem) for item in load_items(source, JobSpec("caption"))] == [
+        ("ok", None), ("<line 2>", f"the line nests deeper than {MAX_JSON_DEPTH} levels")]
 
 
 def test_malformed_messages_name_the_field():

@@ -7,14 +7,20 @@ allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ so
   receives equal the Embed RPC's bfloat16 rows bit for bit, SGLang's part validation takes every
   part, and each image's grid and original size are what K3's SGLang processor reads;
 - a bad image is an error the language side has within a second, on the socket and in the answer;
+- remote images are fetched by the chat route's rules (`--allowed-media-domains`, the image count
+  before any fetch), from a real upstream on 127.0.0.1;
 - the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
-- refusals (fields, video, mooncake) and `/health`, `/health_generate`.
+- refusals (fields, video, mooncake) and `/health`, `/health_generate`;
+- a drain (SIGTERM) waits for a push still in flight: the language side gets its rows; a server
+  stopped in its own process leaves no error report running on its loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,13 +31,16 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from image_upstream import ImageUpstream
 from images import png
 from PIL import Image
-from serve_process import ServeProcess
+from serve_process import ServeProcess, free_port
 from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
 
+from service.engine import EngineConfig
 from service.http.sglang_wire import error_frames, part_frames
 from service.rpc.client import VisionClient
+from service.server import ServerConfig, ServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHOTO = REPO_ROOT / "samples" / "photo.jpg"
@@ -48,8 +57,10 @@ IMAGES = [PHOTO.read_bytes(), png(150, 90, seed=1), png(64, 200, seed=2)]
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
-    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more): the process and an HTTP client."""
-    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"],
+    """A `kimi-vision serve --http-port` (SGLang's routes need nothing more; remote images from
+    127.0.0.1 only, as the tests' upstream is allowed): the process and an HTTP client."""
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0", "--allow-remote-images",
+                              "--allowed-media-domains", "127.0.0.1"],
                              log_path=tmp_path_factory.mktemp("sglang") / "serve.log") as proc,
           httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http):
         yield SimpleNamespace(proc=proc, http=http)
@@ -160,6 +171,28 @@ def test_a_bad_image_is_the_language_sides_error_within_a_second(http, context):
     assert error.error_code == 400 and "bad image" in error.error_msg
 
 
+def test_remote_images_are_fetched_by_the_chat_routes_rules(http, context, expected):
+    """The face's one fetcher: a listed host's image arrives as the RPC's rows; a host not listed is
+    refused without a connection, and too many images before any fetch; the language side is told."""
+    sock, port = bound_pull(context)
+    with ImageUpstream(IMAGES[1]) as upstream:
+        reply = http.post("/encode", json={**_encode_body("remote-1", [], 1, 0, embedding_port=port),
+                                           "mm_items": [upstream.url("/image.png")]})
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        _check(receive(sock, "remote-1", timeout_s=30), [1], expected)
+        fetched = upstream.hits["/image.png"]
+        for req_id, items, status, words in (
+                ("remote-2", [upstream.url("/image.png", host="localhost")], 400,
+                 "allowed domains ['127.0.0.1']; this one is from 'localhost'"),
+                ("remote-3", [upstream.url("/image.png")] * 17, 413, "too many images: 17")):
+            reply = http.post("/encode", json={**_encode_body(req_id, [], 1, 0, embedding_port=port),
+                                               "mm_items": items})
+            assert reply.status_code == status and words in reply.json()["message"], reply.text
+            error = receive(sock, req_id, timeout_s=5)
+            assert error.error_code == status and error.error_msg == reply.json()["message"]
+        assert upstream.hits["/image.png"] == fetched and "localhost" not in " ".join(upstream.hosts)
+
+
 def test_the_wire_object_is_sglangs_embedding_data():
     """What SGLang's encoder sends (`_stage_embeddings`, then `copy_without_embedding`), built with
     SGLang's own class, equals what this service sends, attribute for attribute and in order."""
@@ -211,3 +244,42 @@ def test_mooncake_is_refused_and_ends_a_waiting_encode(http):
 def test_health(http):
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
+
+
+def test_a_drain_waits_for_a_push_in_flight(tmp_path, context):
+    """SIGTERM while a part is pushed to two ports, one not listening yet: the server keeps draining
+    (past what an idle server would take to stop) until the second port takes the rows, then the
+    answer is 200 and the server exits 0."""
+    first, first_port = bound_pull(context)
+    second_port = free_port()
+    with (ServeProcess.start(["--devices", "cpu:1", "--http-port", "0", "--drain-seconds", "30"],
+                             log_path=tmp_path / "serve.log") as proc,
+          httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
+          ThreadPoolExecutor(1) as pool):
+        body = _encode_body("drain-1", IMAGES[1:2], 1, 0, embedding_port=[first_port, second_port])
+        pending = pool.submit(http.post, "/encode", json=body)
+        receive(first, "drain-1", timeout_s=60)  # the part is encoded and on its way
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(8)  # an idle server stops within STOP_GRACE_S and uvicorn's 5 s graceful shutdown
+        assert proc.proc.poll() is None and not pending.done(), proc.log_text()[-2000:]
+        second = context.socket(zmq.PULL)
+        second.bind(f"tcp://127.0.0.1:{second_port}")
+        assert receive(second, "drain-1", timeout_s=30).ready
+        reply = pending.result(30)
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        assert proc.proc.wait(60) == 0, proc.log_text()[-2000:]
+
+
+def test_a_stopped_server_leaves_no_error_report_running(tiny_checkpoint):
+    """An error report waiting for a language side that never listens is ended when the server stops."""
+    with ServerThread(ServerConfig(port=0, http_port=0), EngineConfig(checkpoint=tiny_checkpoint,
+                                                                      devices="cpu:1")) as handle:
+        body = {**_encode_body("gone-1", [], 1, 0, embedding_port=free_port()), "mm_items": [_url(b"junk")]}
+        reply = httpx.post(f"http://127.0.0.1:{handle.server.http_port}/encode", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+
+        async def reports() -> int:
+            return sum(task.get_coro().__qualname__ == "Pusher.deliver" for task in asyncio.all_tasks())
+
+        assert handle.submit(reports()).result(10) == 1  # waiting for its peer (up to SEND_TIMEOUT_S)
+    assert not [task for task in asyncio.all_tasks(handle.loop) if task.get_coro().__qualname__ == "Pusher.deliver"]

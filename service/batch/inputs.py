@@ -4,10 +4,11 @@ Every input becomes an `Item`: its `custom_id` (the key that makes resume exactl
 position `line` (by which the finished output is ordered) and the request it carries, in the
 OpenAI batch form (`custom_id`, `method`, `url`, `body`). A directory or a path list becomes the
 same requests (a user message with the image and the task's prompt), so every input goes down one
-path. A JSONL line is only split off and parsed as JSON here; what it asks for is checked when it
-runs (`requests.py`). So a malformed line is one error row naming its line, never the end of the
-job; so is a line repeating an earlier `custom_id` (its row gets the id `<line N>`, and the first
-line keeps the id). Only an input that cannot be read at all stops the job before it starts.
+path. A JSONL line is only split off and parsed as JSON here (nested at most as deep as every face
+allows: `load_json`); what it asks for is checked when it runs (`requests.py`). So a malformed line
+is one error row naming its line, never the end of the job; so is a line repeating an earlier
+`custom_id` (its row gets the id `<line N>`, and the first line keeps the id). Only an input that
+cannot be read at all stops the job before it starts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from service.batch.ids import IdTable
 from service.batch.spec import JobSpec
+from service.errors import BadRequest
+from service.openai.request import load_json
 
 CHAT_URL = "/v1/chat/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
@@ -216,11 +219,13 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def _jsonl_item(raw: bytes, lineno: int) -> Item:
     try:
-        row = json.loads(raw.decode("utf-8"))
+        row = load_json(raw.decode("utf-8"), "the line")  # the faces' depth rule
     except UnicodeDecodeError as e:
         return Item("", lineno, None, f"not UTF-8 text ({e.reason} at byte {e.start})")
     except json.JSONDecodeError as e:
         return Item("", lineno, None, f"not valid JSON: {e.msg} (column {e.colno})")
+    except BadRequest as e:
+        return Item("", lineno, None, str(e))
     if not isinstance(row, dict):
         return Item("", lineno, None,
                     f"a line must be a JSON object (custom_id, method, url, body), got {type(row).__name__}")

@@ -5,14 +5,17 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   `--allow-remote-images`) through the trunk, streamed as server-sent events with `stream: true`.
   In EC producer mode (`--ec-role producer`) every request is an encode request, whatever its
   `max_tokens` (every vLLM chat parameter is taken: nothing is sampled): its images are encoded and
-  written under the key vLLM looks each up by, and the answer is a `chat.completion` (or one SSE
-  chunk and `[DONE]`) with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
-  reports them (per key: the item positions and the placeholder metadata), without the trunk.
+  written under the key vLLM looks each up by, and the answer is a `chat.completion` with no
+  completion tokens, carrying `ec_transfer_params` as vLLM's producer reports them (per key: the
+  item positions and the placeholder metadata), without the trunk. With `stream: true` it is one SSE
+  chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed chunks carry none (its proxy
+  asks with `stream: false`).
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
-  its bodies are read as the chat route reads them.
+  its bodies are read, and its images fetched, as the chat route reads and fetches them.
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
   token needed; not access-logged unless `log_health_checks`).
-- `GET /v1/models`: the served model names.
+- `GET /v1/models`: the served model names (503 with admission's reason while there is no model:
+  warming up, or failed to load).
 
 A chat completion's cost is admitted before the work: it takes its admission place before its
 body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
@@ -37,7 +40,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,7 @@ from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import ChatInput, Choice, Encoding, Engine, GenerationResult, SamplingParams
 from service.engine.vllm_ec import transfer_params
-from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, failure_for
+from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, Unavailable, failure_for
 from service.http.sglang import add_sglang_routes
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
@@ -67,7 +69,6 @@ HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
 WWW_AUTHENTICATE = 'Bearer realm="kimi-vision"'
-PARSE_IN_THREAD_BYTES = 1 << 20  # a larger body is parsed off the event loop
 
 EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
@@ -137,11 +138,12 @@ class HttpApp:
         self.config = config
         self.token = BearerToken(config.token) if config.token else None
         self.log_health_checks = log_health_checks
-        # One thread parses the large bodies: their memory stays in one allocator arena.
-        self.parser = ThreadPoolExecutor(1, thread_name_prefix="kimi-vision-http-json")
+        self.closing: list[Callable[[], None]] = []  # what the routes hold beyond a request (SGLang's pushes)
 
     def close(self) -> None:
-        self.parser.shutdown(wait=False, cancel_futures=True)
+        """Once the server stopped serving: what the routes hold."""
+        for close in self.closing:
+            close()
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
@@ -253,8 +255,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
     @app.get("/v1/models")
     async def models() -> Response:
         engine = admission.engine
-        if engine is None:
-            return _error(Failure(Kind.UNAVAILABLE, "server is warming up; retry shortly"))
+        if engine is None:  # not loaded yet, or never (admission says which)
+            return _error(failure_for(admission.refusal() or Unavailable("server has no model loaded")))
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kimi-vision", "root": engine.model_id,
                  "parent": None} for name in engine.served_model_names]
         return JSONResponse({"object": "list", "data": data})
@@ -296,7 +298,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         streaming = False
         try:
             ticket = await stack.enter_async_context(admission.enter())
-            body = await _read_body(request, ticket, config, face.parser)
+            body = await _read_body(request, ticket, config)
             response = await _unless_disconnected(request, respond(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
@@ -312,17 +314,18 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         """A body as the chat route reads one: a queue place and a body slot while it comes, within
         the body timeout (the work that follows is admitted on its own)."""
         async with admission.enter() as ticket:
-            return await _read_body(request, ticket, config, face.parser)
+            return await _read_body(request, ticket, config)
 
-    add_sglang_routes(app, admission, read_json, allow_remote_images=config.allow_remote_images)
+    face.closing.append(add_sglang_routes(app, admission, read_json, fetcher))
     return face
 
 
-async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parser: ThreadPoolExecutor) -> Any:
+async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> Any:
     """The body, parsed: its size checked first (declared, then as it comes), read once a body
     slot is free (`Ticket.reading`) and within the body timeout from then, into one buffer of the
-    declared size (no copies as it grows, nothing for the allocator to keep of them). A large body
-    is parsed on `parser`'s thread, off the event loop."""
+    declared size (no copies as it grows, nothing for the allocator to keep of them). It is parsed
+    on the event loop: json.loads holds the GIL, so a thread would not free the loop meanwhile, and
+    one thread (this one) keeps the parse's memory in one allocator arena, as a pool's threads did not."""
     limit = config.max_body_bytes
     declared = _length(request.headers)
     if declared is not None and declared > limit:
@@ -346,8 +349,6 @@ async def _read_body(request: Request, ticket: Ticket, config: HttpConfig, parse
             raise SlowClient(f"the request body did not arrive within {config.body_timeout_s:g} s ({came})") from None
         except ClientDisconnect:
             raise ClientGone("the client closed the connection while sending the body") from None
-        if size > PARSE_IN_THREAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(parser, parse_json, raw, "the request body")
         return parse_json(raw, "the request body")
 
 
@@ -392,7 +393,8 @@ async def _answer(engine: Engine, request: ChatRequest, chat: ChatInput, params:
 
 def _encoded(encoding: Encoding, model: str, reply_id: str,
              request: ChatRequest) -> dict[str, Any] | AsyncIterator[str]:
-    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key."""
+    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key
+    (in the `chat.completion`; the streamed chunk has none, as vLLM's)."""
     reply = Reply()
     image_tokens = sum(e.num_tokens for e in encoding.embeddings)
     reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), image_tokens, 0)))

@@ -7,11 +7,15 @@ as the OpenAI API. The routes, fields and answers are those of SGLang's own enco
   one part of a request's images (`mm_items`: `data:` URLs, or `http(s)` ones with
   `--allow-remote-images`; a `{"url": ..., "content_hash": ...}` item too) is embedded by the
   engine and pushed to the language side over ZMQ as SGLang's receiver reads it (`sglang_wire`).
+  It is admitted as the chat route is: its place first, the image count, then its images fetched
+  by the face's one fetcher (the same rules: `--allowed-media-domains`, `--media-fetch-timeout`,
+  `--max-media-fetches`; all at once, outside the work slots), and only then a work slot.
   Where to, the request says: `embedding_port` an int is `zmq_to_tokenizer` (push to
   `prefill_host:embedding_port`); absent or null is `zmq_to_scheduler` (push to every scheduler rank
   that registers the part, once `receive_count` have); a list of ports pushes to each at
   `prefill_host`. Both backends are served at once, request by request. The answer, after the push:
-  200 `null`.
+  200 `null`. The request keeps its admission place (not its work slot) until the push ends, so a
+  drain waits for the rows to reach the language side.
 - `POST /scheduler_receive_url` `{req_id, receive_count, receive_url, modality}`: a scheduler rank
   names where it takes a part (`zmq_to_scheduler`); before or after that part's `/encode` arrives.
 - `GET /health_generate`: a fresh tiny image through the engine when it is idle (200, else 503); `GET /health` is
@@ -45,7 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
-from service.admission import Admission
+from service.admission import Admission, Ticket
 from service.engine import Engine, ImageEmbedding, ImageInput
 from service.errors import BadRequest, DeadlineExceeded, Failure, Unavailable, Unsupported, failure_for
 from service.http.sglang_wire import ROW_DTYPE, error_frames, part_frames
@@ -58,6 +62,8 @@ log = logging.getLogger("kimi_vision.sglang")
 # how long a push may take, and how long a part waits for its scheduler ranks to register.
 SEND_TIMEOUT_S = 180.0
 REGISTRATION_TIMEOUT_S = 180.0
+# How often a push looks whether its frames have left: from the first pause, doubling, up to the longest.
+FIRST_POLL_S, LONGEST_POLL_S = 0.001, 0.05
 # Item options SGLang passes along that change an image's preprocessing: this encoder preprocesses
 # every image as the release does, so they are refused by name (`content_hash` only names the item).
 _ITEM_KEYS = {"url", "content_hash"}
@@ -65,6 +71,7 @@ _MOONCAKE = ("the mooncake (RDMA) transfer backend is not served by this encoder
              "with --encoder-transfer-backend zmq_to_scheduler or zmq_to_tokenizer")
 
 JsonReader = Callable[[Request], Awaitable[Any]]
+FetcherOf = Callable[[Engine], ImageFetcher]  # the face's one fetcher (made with the engine's per-image limit)
 
 
 @dataclass(frozen=True)
@@ -191,12 +198,31 @@ class Destinations:
         self._parts.pop(req_id, None)
 
 
+async def _sent(tracker: zmq.MessageTracker, timeout_s: float) -> bool:
+    """Whether ZMQ is done with the tracked frames within `timeout_s`: looked at from the event loop,
+    so a slow peer holds no thread (the default executor also resolves hosts and loads the engine)."""
+    deadline = time.monotonic() + timeout_s
+    pause = FIRST_POLL_S
+    while not tracker.done:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, LONGEST_POLL_S)
+    return True
+
+
 class Pusher:
     """ZMQ PUSH to the language side, as SGLang's encoder sends: connect, send the frames (waiting
     for the peer, `IMMEDIATE`), let the socket flush them, close."""
 
     def __init__(self) -> None:
         self._context: zmq.asyncio.Context | None = None
+
+    def close(self) -> None:
+        """Close every socket at once (what is still queued is dropped: the server is stopping)."""
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
 
     async def push(self, host_port: str, frames: list[Any]) -> None:
         if self._context is None:
@@ -209,8 +235,9 @@ class Pusher:
         try:
             sock.connect(f"tcp://{host_port}")
             tracker = await sock.send_multipart(frames, copy=False, track=True)
-            await asyncio.to_thread(tracker.wait, SEND_TIMEOUT_S)
-        except (zmq.ZMQError, zmq.NotDone) as exc:
+            if not await _sent(tracker, SEND_TIMEOUT_S):
+                raise Unavailable(f"cannot push the embedding to {host_port}: not sent within {SEND_TIMEOUT_S:g} s")
+        except zmq.ZMQError as exc:
             raise Unavailable(f"cannot push the embedding to {host_port}: {exc}") from None
         finally:
             sock.close()
@@ -271,16 +298,22 @@ def _frames(part: EncodePart, embeddings: list[ImageEmbedding]) -> list[Any]:
                        [e.orig_size for e in embeddings])
 
 
-async def _encoded(engine: Engine, part: EncodePart, allow_remote: bool) -> list[Any]:
-    """The part's images through the engine, as the message SGLang's receiver takes."""
-    fetcher = ImageFetcher(max_bytes=engine.config.limits.max_bytes, allow_remote=allow_remote)
-    images = [ImageInput(await fetcher.fetch(item), where=item.where) for item in part.items]
-    embeddings = await engine.embed(images)
-    return await engine.run_cpu(_frames, part, embeddings)
+async def _encoded(ticket: Ticket, engine: Engine, part: EncodePart, fetcher: ImageFetcher) -> list[Any]:
+    """The part's images through the engine, as the message SGLang's receiver takes: the chat
+    route's order (the image count, then every image fetched, then a work slot)."""
+    engine.check_image_count(len(part.items))
+    data = await fetcher.fetch_all(part.items)  # not holding a work slot
+    images = [ImageInput(item_bytes, where=item.where) for item_bytes, item in zip(data, part.items, strict=True)]
+    async with ticket.work():
+        embeddings = await engine.embed(images)
+        return await engine.run_cpu(_frames, part, embeddings)
 
 
-def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader, *, allow_remote_images: bool) -> None:
-    """Serve SGLang's encoder routes on `app`; every request is admitted like the face's others."""
+def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
+                      fetcher: FetcherOf) -> Callable[[], None]:
+    """Serve SGLang's encoder routes on `app`; every request is admitted like the face's others,
+    and its images fetched by the face's `fetcher`. Returns the routes' close (once the server
+    stopped serving): the error reports still under way are cancelled, the ZMQ context destroyed."""
     destinations = Destinations()
     pusher = Pusher()
     background: set[asyncio.Task[None]] = set()
@@ -306,17 +339,21 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
             part = parse_encode_request(body)
         except Exception as exc:  # noqa: BLE001 - a refused request has no destination to be told
             return _error(failure_for(exc), _req_id(body))
-        try:
-            async with admission.admit() as engine:  # the work slot is free again while the rows travel
-                frames = await _encoded(engine, part, allow_remote_images)
-        except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
-            failure = failure_for(exc)
-            report(part, failure.message, failure.rule.http)
-            return _error(failure, part.req_id)
-        try:
-            await pusher.deliver(destinations, part, frames)
-        except Exception as exc:  # noqa: BLE001 - a push that did not happen is this request's error
-            return _error(failure_for(exc), part.req_id)
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                ticket = await stack.enter_async_context(admission.enter())
+                engine = admission.engine  # set once the server serves, which admission checked
+                frames = await _encoded(ticket, engine, part, fetcher(engine))
+            except Exception as exc:  # noqa: BLE001 - every failure is the part's error, on both channels
+                failure = failure_for(exc)
+                report(part, failure.message, failure.rule.http)
+                return _error(failure, part.req_id)
+            # The place (not the work slot) is kept while the rows travel: a drain waits for the
+            # push, and the pushes in flight (each holding a part's rows) count against the capacity.
+            try:
+                await pusher.deliver(destinations, part, frames)
+            except Exception as exc:  # noqa: BLE001 - a push that did not happen is this request's error
+                return _error(failure_for(exc), part.req_id)
         return JSONResponse(None)
 
     @app.post("/scheduler_receive_url")
@@ -356,3 +393,10 @@ def add_sglang_routes(app: FastAPI, admission: Admission, read_json: JsonReader,
             log.warning("health_generate: %s", failure_for(exc).message)
             return Response(status_code=503)
         return Response(status_code=200)
+
+    def close() -> None:
+        for task in list(background):
+            task.cancel()
+        pusher.close()
+
+    return close

@@ -12,8 +12,10 @@ accepted at its neutral value (`parallel_tool_calls: true`), or refused with an 
 nothing is silently ignored. Here only the JSON types are checked; the ranges are `SamplingParams'`.
 An EC producer, which samples nothing, takes every parameter of vLLM's chat API instead
 (`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
-(those of the `openai` SDK's request types); a body may nest at most `MAX_JSON_DEPTH` levels
-(`parse_json` reads JSON text by the same rule, on every face).
+(those of the `openai` SDK's request types). JSON text a caller sends (an HTTP body, a gRPC JSON
+field, a batch job's JSONL line) may nest at most `MAX_JSON_DEPTH` levels: `parse_json` reads it by
+that rule on every face (`load_json` beneath it, for a reader that names bad JSON its own way), so
+a body reaches `parse_chat_request` already checked.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from service.engine import ChatInput, ImageInput, SamplingParams
 from service.errors import BadRequest, Unsupported
-from textcore.chat import CHAT_KWARGS
+from textcore.chat import check_chat_kwargs
 
 # Parameters that change the result and that the engine honours (besides messages and tools), by
 # JSON type; each is the `SamplingParams` field of the same name.
@@ -49,13 +51,20 @@ MAX_JSON_DEPTH = 64
 def parse_json(raw: str | bytes, what: str) -> Any:
     """JSON text a caller sent, parsed: not JSON, or nested deeper than `MAX_JSON_DEPTH`, is bad
     input naming `what`."""
+    try:
+        return load_json(raw, what)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+
+
+def load_json(raw: str | bytes, what: str) -> Any:
+    """`json.loads` by the depth rule: nested deeper than `MAX_JSON_DEPTH` is bad input naming
+    `what`; text that is not JSON raises json's own error (`ValueError`, `UnicodeDecodeError`)."""
     too_deep = BadRequest(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         value = json.loads(raw)
     except RecursionError:
         raise too_deep from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
     if _depth(value) > MAX_JSON_DEPTH:
         raise too_deep
     return value
@@ -359,11 +368,9 @@ def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Check a chat-completions body and split it into the template's messages, the image parts
-    and the generation settings. Raises BadRequest / Unsupported / SamplingError naming the field."""
+    and the generation settings. Raises BadRequest / Unsupported / SamplingError / ChatError naming the field."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    if _depth(body) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
@@ -397,9 +404,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
-    refused = sorted(set(extra) - set(CHAT_KWARGS))  # every keyword argument the template takes, as vLLM passes them
-    if refused:
-        raise Unsupported(f"chat_template_kwargs {refused} are not supported; allowed: {list(CHAT_KWARGS)}")
+    # Every keyword argument the template takes, as vLLM passes them: the error ChatInput gives (every face's).
+    check_chat_kwargs(extra)
     chat_kwargs.update(extra)
     return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
                        bool(options.get("include_usage")), chat_kwargs)

@@ -69,7 +69,9 @@ class ChoiceReply:
         or None (nothing to send yet). A token's logprobs go out with the next chunk of its choice."""
         if isinstance(item, Logprobs):
             entry = logprobs_entry(item)
-            self.logprobs = (self.logprobs or []) + [entry]
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(entry)
             self._unsent.append(entry)
             return None
         if isinstance(item, GenerationResult):

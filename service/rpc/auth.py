@@ -24,6 +24,7 @@ import grpc
 
 from service import errors
 from service.auth import BearerToken
+from service.rpc.status import abort
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
@@ -48,8 +49,7 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, method: str,
 
     async def unary(_request: object, context: grpc.aio.ServicerContext) -> None:
         log.warning("refused %s: %s", method, failure.message)
-        trailing = (*(context.trailing_metadata() or ()), (errors.KIND_METADATA, failure.kind.value))
-        await context.abort(failure.rule.grpc, failure.message, trailing_metadata=trailing)
+        await abort(context, failure)
 
     async def stream(request: object, context: grpc.aio.ServicerContext):  # async generator
         await unary(request, context)
@@ -70,9 +70,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, *, exempt_services: Iterable[str] = (HEALTH_SERVICE,)) -> None:
         self._token = BearerToken(token)
         self._exempt = frozenset(exempt_services)
-
-    def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        return self._token.refusal(_authorization(metadata)) is None
 
     async def intercept_service(
         self,

@@ -3,8 +3,8 @@
 gRPC parses a request before any handler or error mapping runs, so a body that is not a valid
 protobuf reaches the caller as `UNKNOWN: Unexpected <class 'google.protobuf.message.DecodeError'>`.
 This interceptor moves the parse into the handler: the request arrives as raw bytes, is parsed
-there, and a parse failure is answered `INVALID_ARGUMENT` naming the method. Valid requests are
-parsed exactly once, as before.
+there, and a parse failure is bad input (`INVALID_ARGUMENT` naming the method, the kind in the
+trailing metadata, as every refusal of the face). Valid requests are parsed exactly once, as before.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from typing import Any
 
 import grpc
 
+from service.errors import Failure, Kind
+from service.rpc.status import abort
+
 
 async def _parse(parse: Callable[[bytes], Any], raw: bytes, method: str, context: grpc.aio.ServicerContext) -> Any:
     try:
         return parse(raw)
     except Exception:  # noqa: BLE001 - DecodeError and friends: the bytes are the caller's problem
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request to {method} is not a valid protobuf message of its type ({len(raw)} bytes)")
+        await abort(context, Failure(Kind.BAD_INPUT, f"the request to {method} is not a valid protobuf message of "
+                                                     f"its type ({len(raw)} bytes)"))
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):

@@ -31,6 +31,7 @@ from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from service.rpc.handlers import VisionService
 from service.rpc.health import NOT_SERVING, SERVING, HealthServicer
 from service.rpc.observe import RpcObserver
+from service.rpc.status import abort
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -116,8 +117,4 @@ class GrpcFace:
             async with self.admission.admit(generation=generation) as engine:
                 yield engine
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
-            failure = errors.failure_for(exc)
-            # The kind too, beside what the call's trailing metadata already holds (its request id):
-            # several kinds share a status code, and a batch row reports the kind's HTTP status.
-            trailing = (*(context.trailing_metadata() or ()), (errors.KIND_METADATA, failure.kind.value))
-            await context.abort(failure.rule.grpc, failure.message, trailing_metadata=trailing)
+            await abort(context, errors.failure_for(exc))
