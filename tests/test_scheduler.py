@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import re
 import threading
 import time
 import weakref
@@ -16,8 +17,9 @@ import pytest
 
 from service.engine.engine import decodable_ids
 from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler
+from service.errors import BadRequest, TooLarge
 from textcore.config import tiny
-from textcore.generate import SamplingParams, generate
+from textcore.generate import SamplingError, SamplingParams, generate
 from textcore.model import KimiLinearForCausalLM
 from textcore.stops import TEXT_EVENTS
 
@@ -211,3 +213,21 @@ def test_stop_strings_end_a_reply_inside_the_batch(scheduler_of, tiny_tokenizer)
     (result,) = stopped.results()
     assert result.finish_reason == "stop" and result.completion_tokens < 30
     assert stopped.tokens() == free.tokens()[:result.completion_tokens]
+
+
+def test_a_job_that_could_never_run_is_refused_at_submit(scheduler_of, tiny_tokenizer):
+    """More sequences than decode together, a worst case over the whole KV budget, a token id
+    outside the vocabulary: each refused by submit with its own error, never queued (it would
+    wait forever, or fail the step of every job); the scheduler goes on serving."""
+    prompt = _prompt(tiny_tokenizer, TEXTS[0])
+    one = scheduler_of().worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=8))
+    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=one)
+    for params, error, words in (({"n": 3}, BadRequest, "n 3 is above this server's --max-num-seqs 2"),
+                                 ({"max_new_tokens": 9}, TooLarge, "worst-case KV cache"),
+                                 ({"logit_bias": {200_000: 1.0}}, SamplingError,
+                                  "logit_bias names token 200000, outside the vocabulary [0, 163840)")):
+        with pytest.raises(error, match=re.escape(words)):
+            _submit(scheduler, prompt, **{"max_new_tokens": 8, **params})
+        assert scheduler.idle
+    _, fits = _submit(scheduler, prompt, max_new_tokens=8, ignore_eos=True)
+    assert len(fits.wait().tokens()) == 8 and scheduler.reserved_bytes == 0

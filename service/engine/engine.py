@@ -450,9 +450,8 @@ class Engine:
         if max_new_tokens is not None and self.max_model_len is not None and max_new_tokens >= self.max_model_len:
             raise BadRequest(self._too_long(max_new_tokens, None))
         params = SamplingParams(max_new_tokens=max_new_tokens, **options)
-        if params.n > self.config.max_num_seqs:
-            raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.config.max_num_seqs} "
-                             "(the n sequences of a request decode together)")
+        if self.scheduler is not None:
+            self.scheduler.check_sequences(params)
         return params
 
     def _too_long(self, asked: int | None, prompt: int | None) -> str:
@@ -491,19 +490,13 @@ class Engine:
         if chat.kwargs.get("add_generation_prompt") is False:
             raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
         # The cost is known before any pixel is decoded: the prompt, its images counted from their
-        # headers, against the model length and the KV budget.
-        params.check_vocab(self.model.cfg.vocab_size)
+        # headers, against the model length, then what the scheduler can ever run (the KV budget).
         with tracing.span("preprocess", images=len(chat.images)):
             prepared = await self.run_cpu(self._prepare, chat.images)
             prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
         params = self._fit(params, prompt_tokens.total)
         scheduler = self.scheduler
-        need = scheduler.worst_case_bytes(prompt_tokens.total, params)
-        if need > scheduler.kv_cache_bytes:
-            raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens.total:,} prompt + "
-                           f"{params.max_new_tokens:,} new tokens)) is {need:,} bytes, over the server's KV cache "
-                           f"budget of {scheduler.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
-                           "prompt or ask for fewer tokens")
+        scheduler.check(prompt_tokens.total, params)
         embeddings = await self.embed(chat.images, prepared=prepared)
         prompt = await self.run_cpu(self._prompt_input, chat, embeddings)
         loop = asyncio.get_running_loop()

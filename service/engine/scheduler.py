@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from service.errors import BadRequest, TooLarge
 from service.metrics import Metrics
 from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
@@ -229,8 +230,30 @@ class Scheduler:
         """What a job's n sequences may hold at most."""
         return params.n * self.sequence_bytes(prompt_tokens + params.max_new_tokens)
 
+    def check_sequences(self, params: SamplingParams) -> None:
+        """The n sequences of a request decode together: n within `max_num_seqs`."""
+        if params.n > self.max_num_seqs:
+            raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.max_num_seqs} "
+                             "(the n sequences of a request decode together)")
+
+    def check(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse a job that could never be admitted or started: more sequences than decode together
+        (`BadRequest`), a worst-case cache over the whole KV budget (`TooLarge`), token ids outside
+        the vocabulary (`SamplingError`). `params.max_new_tokens` must be resolved."""
+        if params.max_new_tokens is None:
+            raise ValueError("params.max_new_tokens is None: resolve it from the prompt's length first")
+        self.check_sequences(params)
+        need = self.worst_case_bytes(prompt_tokens, params)
+        if need > self.kv_cache_bytes:
+            raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens:,} prompt + "
+                           f"{params.max_new_tokens:,} new tokens)) is {need:,} bytes, over the server's KV cache "
+                           f"budget of {self.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
+                           "prompt or ask for fewer tokens")
+        params.check_vocab(self.model.cfg.vocab_size)
+
     def submit(self, job: Job) -> None:
-        """Queue a job (the caller has checked that its worst case fits the budget at all)."""
+        """Queue a job (`check`ed here: one that could never run is refused, not left waiting)."""
+        self.check(len(job.prompt.ids), job.params)
         job.sequence_bytes = self.worst_case_bytes(len(job.prompt.ids), job.params) // job.params.n
         with self._wake:
             if self._closed:
