@@ -231,3 +231,32 @@ def test_a_job_that_could_never_run_is_refused_at_submit(scheduler_of, tiny_toke
         assert scheduler.idle
     _, fits = _submit(scheduler, prompt, max_new_tokens=8, ignore_eos=True)
     assert len(fits.wait().tokens()) == 8 and scheduler.reserved_bytes == 0
+
+
+class FailingEmit(Collector):
+    """A caller whose emit raises on its items once `fail` is set (a fault inside a step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = threading.Event()
+
+    def __call__(self, item) -> None:
+        if self.fail.is_set() and not (item is None or isinstance(item, BaseException)):
+            raise RuntimeError("the caller's emit failed")
+        super().__call__(item)
+
+
+def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler_of, tiny_tokenizer):
+    scheduler = scheduler_of(max_num_seqs=2)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    failing = FailingEmit()
+    scheduler.submit(Job(_prompt(tiny_tokenizer, TEXTS[1]), SamplingParams(max_new_tokens=2000, ignore_eos=True,
+                                                                          logprobs=True), failing))
+    _wait_for(lambda: scheduler.last_batch == 2, "both sequences in one batch")
+    _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=6, ignore_eos=True)
+    assert scheduler.running == 2 and not waiting.items  # no room: it waits
+    failing.fail.set()
+    assert failing.ended.wait(60) and running.ended.wait(60)
+    assert str(failing.error) == str(running.error) == "the caller's emit failed"  # the step's jobs
+    assert len(waiting.wait().tokens()) == 6  # not failed for another job's error: it ran
+    assert scheduler.idle and scheduler.reserved_bytes == 0

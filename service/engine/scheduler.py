@@ -292,21 +292,20 @@ class Scheduler:
                     self._step()
             except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the server
                 log.exception("trunk step failed")
-                for job in self._jobs():
-                    job.end(exc)
-                self._reset()
+                self._end_admitted(exc)
         closed = RuntimeError("the engine was closed while the generation ran")
-        for job in self._jobs():
+        with self._wake:  # submit refuses from now on: nothing joins after this
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
             job.end(closed)
-        self._reset()
+        self._end_admitted(closed)
 
-    def _jobs(self) -> list[Job]:
-        jobs = {id(j): j for j in [*self._waiting, *(p.job for p in self._prefilling), *(s.job for s in self._running)]}
-        return list(jobs.values())
-
-    def _reset(self) -> None:
-        with self._wake:
-            self._waiting.clear()
+    def _end_admitted(self, exc: BaseException) -> None:
+        """End the admitted jobs (prefilling or running) with `exc` and drop them; the waiting
+        ones were not in the step and stay queued."""
+        jobs = {id(j): j for j in [*(p.job for p in self._prefilling), *(s.job for s in self._running)]}
+        for job in jobs.values():
+            job.end(exc)
         self._prefilling, self._running, self.reserved_bytes = [], [], 0
         self._report()
 
@@ -355,8 +354,8 @@ class Scheduler:
         for (prefill, take), row in zip(chunks, logits[len(batch):], strict=True):
             prefill.done += take
             if prefill.done == len(prefill.job.prompt.ids):
-                self._prefilling.remove(prefill)
                 self._start(prefill, row[None])
+                self._prefilling.remove(prefill)  # after: a start that fails leaves its job among the admitted
 
     def _drop_cancelled(self) -> None:
         for sequence in self._running:
