@@ -17,7 +17,7 @@ import pytest
 
 from service.engine.engine import decodable_ids
 from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler
-from service.errors import BadRequest, TooLarge
+from service.errors import BadRequest, TooLarge, Unavailable
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
 from textcore.model import KimiLinearForCausalLM
@@ -260,3 +260,17 @@ def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler
     assert str(failing.error) == str(running.error) == "the caller's emit failed"  # the step's jobs
     assert len(waiting.wait().tokens()) == 6  # not failed for another job's error: it ran
     assert scheduler.idle and scheduler.reserved_bytes == 0
+
+
+def test_closing_ends_every_open_job_as_unavailable_and_refuses_new_ones(scheduler_of, tiny_tokenizer):
+    """Unavailable (retryable), not a kindless error: a 500 to a client, a bug to a batch job."""
+    scheduler = scheduler_of(max_num_seqs=1)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[1]), max_new_tokens=8)
+    _wait_for(lambda: len(running.tokens()) >= 2, "the first job's tokens")
+    scheduler.close()
+    for collector in (running, waiting):
+        assert collector.ended.is_set() and isinstance(collector.error, Unavailable), collector.error
+        assert str(collector.error) == "the engine was closed while the generation ran"
+    with pytest.raises(Unavailable, match="the scheduler is closed"):
+        _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=8)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from service.errors import BadRequest, TooLarge
+from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
 from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
@@ -257,7 +257,7 @@ class Scheduler:
         job.sequence_bytes = self.worst_case_bytes(len(job.prompt.ids), job.params) // job.params.n
         with self._wake:
             if self._closed:
-                raise RuntimeError("the scheduler is closed")
+                raise Unavailable("the scheduler is closed")
             self._waiting.append(job)
             self._wake.notify()
 
@@ -271,7 +271,7 @@ class Scheduler:
         return len(self._running)
 
     def close(self) -> None:
-        """Stop after the current step; generations still open end with an error."""
+        """Stop after the current step; generations still open (queued too) end `Unavailable`."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -293,7 +293,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the server
                 log.exception("trunk step failed")
                 self._end_admitted(exc)
-        closed = RuntimeError("the engine was closed while the generation ran")
+        closed = Unavailable("the engine was closed while the generation ran")  # retryable: elsewhere or later
         with self._wake:  # submit refuses from now on: nothing joins after this
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
