@@ -50,7 +50,7 @@ from service.metrics import Metrics
 from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
 from textcore.model import KimiLinearForCausalLM
-from textcore.splice import Span, expand_media_pads, position_ids, prompt_ids
+from textcore.splice import Expanded, Span, expand_media_pads, position_ids, prompt_ids
 from textcore.tokenizer import MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
 from vision.checkpoint import Checkpoint
 from vision.decode import DEFAULT_LIMITS, Limits
@@ -493,12 +493,12 @@ class Engine:
         # headers, against the model length, then what the scheduler can ever run (the KV budget).
         with tracing.span("preprocess", images=len(chat.images)):
             prepared = await self.run_cpu(self._prepare, chat.images)
-            prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
-        params = self._fit(params, prompt_tokens.total)
+            expanded, thinking = await self.run_cpu(self._chat_prompt, chat, [plan for plan, _ in prepared])
+        params = self._fit(params, len(expanded.input_ids))
         scheduler = self.scheduler
-        scheduler.check(prompt_tokens.total, params)
+        scheduler.check(len(expanded.input_ids), params)
         embeddings = await self.embed(chat.images, prepared=prepared)
-        prompt = await self.run_cpu(self._prompt_input, chat, embeddings)
+        prompt = Prompt(expanded.input_ids, expanded.spans, [e.rows for e in embeddings], thinking)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
@@ -572,15 +572,15 @@ class Engine:
         return self._prompt_tokens(chat, self._plans(chat.images))
 
     def _prompt_tokens(self, chat: ChatInput, plans: Sequence[ImagePlan]) -> ChatTokens:
-        ids = self._prompt(chat, [plan.prompt for plan in plans])
-        counts = [plan.num_tokens for plan in plans]
-        return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)
+        expanded, _ = self._chat_prompt(chat, plans)
+        return ChatTokens(len(expanded.input_ids), [plan.num_tokens for plan in plans])
 
-    def _prompt_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> Prompt:
-        """The trunk's prompt for `chat` with its images' embeddings (blocking)."""
-        segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
+    def _chat_prompt(self, chat: ChatInput, images: Sequence[ImagePlan | ImageEmbedding]) -> tuple[Expanded, bool]:
+        """The chat's prompt, rendered and tokenized once, each media_pad expanded to its image's
+        token count (`images`: each image's prompt and count, from its header's plan or its
+        embedding), and whether the generation prompt opens a think element (blocking)."""
+        segments = render(chat.messages, chat.tools, image_prompts=[image.prompt for image in images], **chat.kwargs)
         # The generation prompt ends `<|open|>think<|sep|>` or `<|open|>response<|sep|>`.
         thinking = len(segments) >= 2 and segments[-2].text == "think"
         ids = self.tokenizer.encode_segments(segments)
-        expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
-        return Prompt(expanded.input_ids, expanded.spans, [e.rows for e in embeddings], thinking)
+        return expand_media_pads(ids, [image.num_tokens for image in images], MEDIA_PAD_ID), thinking
