@@ -6,7 +6,7 @@ One thread owns the trunk and runs engine steps. Each step:
 2. admits waiting generations in arrival order while each one's worst-case cache (n sequences of
    prompt + max_new_tokens tokens, `SequenceCache.worst_case_bytes`) fits the KV budget and the
    batch stays within `max_num_seqs`; the first that does not fit waits, and so do those behind it;
-3. runs one forward (`KimiLinearForCausalLM.step`): a token of every running sequence, and prefill
+3. runs one forward (`textcore.generate.decode_step`): a token of every running sequence, and prefill
    chunks of the admitted prompts, oldest first, in the rest of the step's `max_num_batched_tokens`,
    so a long prompt never stalls the running streams for its whole prefill. All of the step's
    tokens go through the per-token layers together (the routed experts see them in one MoE call).
@@ -15,7 +15,9 @@ One thread owns the trunk and runs engine steps. Each step:
 
 Each sequence has its own cache, sampler (seeded `seed + index`), output parser and stop strings,
 so batching changes no sequence's tokens. What a sequence produces goes back to its caller as
-`Choice` items through the job's `emit`, called on this thread.
+`Choice` items through the job's `emit`, called on this thread. A job that could never run here
+(`check`: n over `max_num_seqs`, a worst case over the whole budget, ids outside the vocabulary)
+is refused when it is submitted; a step that fails ends the jobs in it, not those still waiting.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import torch
 
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
-from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
+from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, decode_step, sample_batch
+from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.parser import Event, StreamParser
 from textcore.splice import Span, splice_rows
 from textcore.stops import StopStrings
@@ -329,11 +331,10 @@ class Scheduler:
     def _forward(self, batch: list[_Sequence], chunks: list[tuple[_Prefill, int]]) -> None:
         """One forward of the step: a token for every running sequence and the prompt chunks; the
         running ones sample their next token, a prompt whose last chunk this was starts."""
-        inputs = [torch.tensor([s.last], device=self.model.device) for s in batch]
-        inputs += [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks]
         caches = [s.cache for s in batch] + [prefill.cache for prefill, _ in chunks]
         try:
-            logits = self.model.step(inputs, TrunkCache(caches), head_ids=self._space.ids)
+            logits = decode_step(self.model, caches, [s.last for s in batch], self._space,
+                                 [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks])
             samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch])
         except Exception as exc:  # noqa: BLE001 - the step's jobs fail; the scheduler goes on
             log.exception("trunk step failed")
