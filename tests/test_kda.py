@@ -55,12 +55,14 @@ def test_chunk_matches_recurrent_at_the_decay_bound():
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
 
 
-def test_inputs_are_not_modified():
+@pytest.mark.parametrize("kda", [chunk_kda, recurrent_kda])
+def test_inputs_are_not_modified(kda):
     """One head, one whole chunk: the chunked layout of g is then a plain view of g, yet chunk_kda
-    must not sum its cumulative decay into the caller's tensor."""
+    must not sum its cumulative decay into the caller's tensor; recurrent_kda takes the caller's
+    initial state without a copy and must not write it."""
     inputs = _inputs(1, CHUNK, 1, 16, 8, seed=5)
     copies = [t.clone() for t in inputs]
-    chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
     for t, before in zip(inputs, copies, strict=True):
         assert torch.equal(t, before)
 

@@ -61,7 +61,7 @@ def recurrent_kda(
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()  # never written: S is rebound
     o = v.new_empty(B, T, H, V)
     for t in range(T):
         k_t = k[:, t]
@@ -325,8 +325,8 @@ class KimiDeltaAttention(nn.Module):
             mine = [caches[b] for b in segments.singles]
             state = _stacked([c.conv[i] for c in mine], (t.shape[-1], conv.kernel - 1), t)
             y, new = conv(t[0, segments.single_positions][:, None], state)
-            for b, cache in enumerate(mine):
-                cache.conv[i] = new[b].clone()
+            for b, cache in enumerate(mine):  # views of the step's [Bd, C, kernel] inputs: one column more, no copy
+                cache.conv[i] = new[b]
             yield None, y, None
         for b in segments.others:
             state = caches[b].conv[i][None] if caches is not None and caches[b].conv[i] is not None else None
