@@ -119,7 +119,7 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         return layer.o_proj(attn.reshape(1, T, -1))
 
     def run(part, cache):
-        return layer(part, Segments([part.shape[1]], cache is not None, "cpu"), cache and [cache])
+        return layer(part, Segments([part.shape[1]], cache and [cache.length], "cpu"), cache and [cache])
 
     with torch.no_grad():
         expected = materialised(x)
@@ -142,11 +142,12 @@ def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, mo
     assert sum("no KV cache scales" in r.message for r in caplog.records) == 1
     layer = model.model.layers[2].self_attn
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2))
-    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], False, "cpu")).view(2, 9, 64)
+    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], None, "cpu")).view(2, 9, 64)
     entry = cache.layer(2)
 
     def run(part):  # the two sequences' new tokens end to end, as the model lays them
-        return layer(part.reshape(1, -1, 64), Segments([part.shape[1]] * 2, True, "cpu"), entry).view(2, -1, 64)
+        segments = Segments([part.shape[1]] * 2, [c.length for c in entry], "cpu")
+        return layer(part.reshape(1, -1, 64), segments, entry).view(2, -1, 64)
 
     steps = [run(x[:, :4])] + [run(x[:, t:t + 1]) for t in range(4, 9)]
     err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
