@@ -212,10 +212,12 @@ class Sampler:
         return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` `[space.size]` fp32 -> what the draw sees (a new tensor)."""
+        """`logits` `[space.size]` fp32 -> what the draw sees (`logits` itself is never written: the
+        batch's raw logprobs are read from it)."""
         p = self.params
-        out = logits.clone()
-        if len(self.tokens) < p.min_tokens:
+        held = len(self.tokens) < p.min_tokens
+        out = logits.clone() if held or self._bias is not None else logits  # the two edits in place
+        if held:
             out[self._held_back] = float("-inf")
         if self._bias is not None:
             out.index_add_(0, *self._bias)
@@ -224,7 +226,7 @@ class Sampler:
                 seen = self._in_prompt | (self._counts > 0)
                 penalty = torch.where(seen, p.repetition_penalty, 1.0)
                 out = torch.where(out > 0, out / penalty, out * penalty)
-            out -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
+            out = out - (p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0))
         return out
 
     def draw(self, logits: torch.Tensor) -> int:
