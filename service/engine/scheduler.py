@@ -34,7 +34,7 @@ import torch
 
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, decode_step, sample_batch
+from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.parser import Event, StreamParser
 from textcore.splice import Span, splice_rows
@@ -65,20 +65,24 @@ class GenerationResult:
     completion_tokens: int
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(NamedTuple):
     token_id: int
-    token: str  # its text (a character cut in half by the tokenizer shows as U+FFFD)
-    bytes: bytes  # its exact bytes
     logprob: float
 
 
 @dataclass(frozen=True)
 class Logprobs:
-    """One sampled token's log-probability and the most likely tokens at its position."""
+    """One sampled token's log-probability and the most likely tokens at its position, by id. Their
+    text is read by the face that reports them (`text`), not on the trunk's thread."""
 
     chosen: TokenLogprob
     top: tuple[TokenLogprob, ...]
+    token_bytes: Callable[[int], bytes]  # a token's exact bytes (the tokenizer's)
+
+    def text(self, entry: TokenLogprob) -> tuple[str, bytes]:
+        """`entry`'s text (a character cut in half by the tokenizer shows as U+FFFD) and its exact bytes."""
+        data = self.token_bytes(entry.token_id)
+        return data.decode("utf-8", errors="replace"), data
 
 
 class Choice(NamedTuple):
@@ -152,10 +156,11 @@ class _Sequence:
         self.index = index
         self.cache: SequenceCache | None = cache
         self.sampler = sampler
-        self.tokenizer = tokenizer
         self.parser = StreamParser(tokenizer, thinking=job.prompt.thinking,
                                    skip_special_tokens=job.params.skip_special_tokens)
         self.stops = StopStrings(job.params.stop)
+        # what a Logprobs item reads its tokens' text with (holding the tokenizer, not this sequence)
+        self.token_bytes: Callable[[int], bytes] = lambda token_id: tokenizer.decode_bytes([token_id])
         self.last = -1
         self.finished = False
 
@@ -168,7 +173,9 @@ class _Sequence:
         else:
             self.last = sample.token_id
             if sample.logprobs is not None:
-                self._emit(self._logprobs(sample.logprobs))
+                raw = sample.logprobs
+                self._emit(Logprobs(TokenLogprob(raw.token_id, raw.logprob), tuple(map(TokenLogprob._make, raw.top)),
+                                    self.token_bytes))
             events = self.parser.feed([sample.token_id])
         released = self.stops.feed(events, search=len(self.sampler.tokens) > self.job.params.min_tokens)
         if self.stops.matched is not None:
@@ -185,13 +192,6 @@ class _Sequence:
 
     def _emit(self, item: Event | Logprobs | GenerationResult) -> None:
         self.job.emit(Choice(self.index, item))
-
-    def _logprobs(self, raw: TokenLogprobs) -> Logprobs:
-        def entry(token_id: int, logprob: float) -> TokenLogprob:
-            data = self.tokenizer.decode_bytes([token_id])
-            return TokenLogprob(token_id, data.decode("utf-8", errors="replace"), data, logprob)
-
-        return Logprobs(entry(raw.token_id, raw.logprob), tuple(entry(i, lp) for i, lp in raw.top))
 
 
 class Scheduler:
