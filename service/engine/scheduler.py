@@ -256,7 +256,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job (`check`ed here: one that could never run is refused, not left waiting)."""
         self.check(len(job.prompt.ids), job.params)
-        job.sequence_bytes = self.worst_case_bytes(len(job.prompt.ids), job.params) // job.params.n
+        job.sequence_bytes = self.sequence_bytes(len(job.prompt.ids) + job.params.max_new_tokens)
         with self._wake:
             if self._closed:
                 raise Unavailable("the scheduler is closed")
@@ -342,8 +342,7 @@ class Scheduler:
                 sequence.job.end(exc)
                 self._finish(sequence)
             for prefill, _ in chunks:
-                self._prefilling.remove(prefill)
-                self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+                self._release(prefill)
                 prefill.job.end(exc)
             self._running = [s for s in self._running if not s.finished]
             return
@@ -364,8 +363,7 @@ class Scheduler:
                 self._finish(sequence)
         self._running = [s for s in self._running if not s.finished]
         for prefill in [p for p in self._prefilling if p.job.cancelled.is_set()]:
-            self._prefilling.remove(prefill)
-            self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+            self._release(prefill)
         with self._wake:
             self._waiting = deque(job for job in self._waiting if not job.cancelled.is_set())
 
@@ -386,6 +384,11 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this job's input (e.g. an id outside the vocabulary)
                 self.reserved_bytes -= need
                 job.end(exc)
+
+    def _release(self, prefill: _Prefill) -> None:
+        """A prompt leaves before it starts: its cache is dropped and its n sequences' reservation returned."""
+        self._prefilling.remove(prefill)
+        self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
 
     def _start(self, prefill: _Prefill, logits: torch.Tensor) -> None:
         """The prompt is in: fork its cache into the job's n sequences, each samples its first token."""
