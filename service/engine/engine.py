@@ -249,11 +249,10 @@ class Engine:
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
         self.scheduler: Scheduler | None = None
         if model is not None:
-            decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
             budget = config.kv_cache_bytes or default_kv_cache_bytes(model.device)
             self.scheduler = Scheduler(model, tokenizer, max_num_seqs=config.max_num_seqs,
                                        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=budget,
-                                       allowed_ids=None if bool(decodable.all()) else decodable, metrics=self.metrics)
+                                       allowed_ids=decodable_ids(tokenizer, model.cfg.vocab_size), metrics=self.metrics)
             longest = self.scheduler.sequence_bytes(self.max_model_len)
             if longest > budget:  # as vLLM refuses to start: one sequence of the model length must fit
                 self.scheduler.close()
