@@ -23,7 +23,6 @@ is refused when it is submitted; a step that fails ends the jobs in it, not thos
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from service.cpus import usable_memory
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
 from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
@@ -48,11 +48,11 @@ KV_MEMORY_FRACTION = 0.25  # default KV budget: this share of the trunk device's
 
 def default_kv_cache_bytes(device: torch.device) -> int:
     """The KV budget when none is configured: a share of the device's free memory (CUDA) or of the
-    machine's physical memory (CPU)."""
+    memory this process may use (CPU: physical, or its cgroup's limit when lower, `service.cpus`)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * KV_MEMORY_FRACTION)
-    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_FRACTION)
+    return int(usable_memory() * KV_MEMORY_FRACTION)
 
 
 @dataclass(frozen=True)
