@@ -294,19 +294,37 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.close()
 
-    @torch.inference_mode()
     def warmup(self) -> None:
-        """One small image through preprocessing, every encoder worker and the trunk, so the first
-        real request pays no first-call costs (and a broken setup fails before it serves). Blocking."""
+        """One small image through preprocessing, every encoder worker and a generation of two
+        tokens through the scheduler, its prompt a few words and the image's rows (the serving path:
+        the cached step, the prefill and the absorbed decode attention, the sampler and its
+        logprobs), so the first real request pays no first-call costs (and a broken setup fails
+        before it serves). Blocking."""
         probe = ImageInput(_probe_png())
         self._preprocess(probe)
         plan = self._plan(probe)
         futures = [self.pool.submit(probe.data, probe.options, plan) for _ in self.pool.devices]
         rows = [future.result() for future in futures][0]
-        if self.model is not None:
-            ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
-            embeds = torch.cat([self.model.embed_tokens(ids), rows.to(self.model.device, self.model.dtype)])
-            self.model(inputs_embeds=embeds[None], last_only=True)
+        if self.scheduler is None:
+            return
+        # Not a chat: the template alone is more tokens than a small --max-model-len (one sequence of
+        # which is all the KV budget is known to hold).
+        text = self.tokenizer.encode("warm up")
+        prompt = Prompt([*text, *[MEDIA_PAD_ID] * plan.num_tokens], [Span(len(text), plan.num_tokens)], [rows],
+                        thinking=False)
+        ended: list[BaseException | None] = []
+        done = threading.Event()
+
+        def emit(item: Choice | BaseException | None) -> None:
+            if not isinstance(item, Choice):
+                ended.append(item)
+                done.set()
+
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=1)
+        self.scheduler.submit(Job(prompt, params, emit))
+        done.wait()
+        if ended[0] is not None:
+            raise ended[0]
 
     # -- what callers read ----------------------------------------------------------------------
 
