@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from textcore import kda
-from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
+from textcore.kda import CHUNK, ShortConv, chunk_kda, l2_normalize, recurrent_kda
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -99,3 +99,16 @@ def test_bad_shapes_are_named():
         chunk_kda(q, k, v, g.index_put((torch.tensor(0),) * 4, torch.tensor(float("nan"))), beta)
     with pytest.raises(ValueError, match="initial_state"):
         recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 5))
+
+
+def test_a_conv_step_is_the_conv_of_one_token():
+    """ShortConv.step (a decode token of each sequence, the taps summed) gives what the conv of that
+    one token after its state gives, and the same new state."""
+    gen = torch.Generator().manual_seed(9)
+    conv = ShortConv(24, 4)
+    conv.weight.data = torch.randn(24, 1, 4, generator=gen)
+    x, state = torch.randn(5, 1, 24, generator=gen), torch.randn(5, 24, 3, generator=gen)
+    y, new = conv(x, state)
+    y_step, new_step = conv.step(x[:, 0], state)
+    torch.testing.assert_close(y_step, y[:, 0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(new_step, new)
