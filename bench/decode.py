@@ -5,10 +5,11 @@
 
 Each of B sequences is prefilled alone into its own cache (`SequenceCache`, prompts of different
 lengths: 256 + 37 i tokens), then all B decode together greedily, one token each per step, through
-the parts the service's scheduler uses (`textcore.generate.decode_step`, `sample_batch`): the
-KDA states stacked per step, the absorbed MLA attention over each row's own length, every
-sequence's token in one MoE call. Timed: `--steps` decode steps after 2 untimed ones (CUDA
-synchronised). Reported per B: ms per step, tokens/s, and the speed-up over B = 1.
+the calls the service's scheduler makes each step (`textcore.generate.decode_step`, `sample_batch`;
+a scheduler step with no prompt chunk in it is exactly this one): the KDA states stacked per step,
+the absorbed MLA attention over each row's own length, every sequence's token in one MoE call.
+Timed: `--steps` decode steps after 2 untimed ones (CUDA synchronised). Reported per B: ms per
+step, tokens/s, and the speed-up over B = 1.
 
 Presets: `tiny` (textcore.config.tiny, fp32, random weights: what the CPU figures use) and
 `k3-slice` (the K3 widths, heads and top-16 routing in bf16, cut to `--layers` layers, the first

@@ -1,5 +1,6 @@
 """How many CPUs this process may use, which every thread default is sized from (the encoder
-workers' torch and OpenCV threads, the engine's request threads, the serving process's torch threads).
+workers' torch and OpenCV threads, the engine's request threads, the serving process's torch threads),
+and how much memory (`usable_memory`: the CPU trunk's default KV budget is a share of it).
 
 `os.cpu_count()` counts the machine's cores: in a container limited to 2 CPUs on a 64-core node it
 says 64, and 64-thread pools on 2 CPUs' worth of time only get throttled. What binds is the
@@ -8,19 +9,27 @@ quota of the process's cgroup (`docker run --cpus`, a pod's CPU limit): cgroup v
 `cpu.cfs_quota_us` over `cpu.cfs_period_us`. A quota set on any cgroup from the process's own up
 to the root of the hierarchy binds it, so the smallest along that path counts. A fractional quota
 rounds down (at least 1): a thread beyond the quota is one that waits for the next period.
+
+Memory likewise: the machine's physical memory, or less where a cgroup on the same path limits it
+(v2 `memory.max`, v1 `memory.limit_in_bytes`; `docker run --memory`, a pod's memory limit), the
+smallest along the path: past it the kernel's OOM killer ends the process.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 OWN_CGROUPS = Path("/proc/self/cgroup")
 
-__all__ = ["CGROUP_ROOT", "OWN_CGROUPS", "CpuBudget", "cpu_budget"]
+T = TypeVar("T", int, float)
+
+__all__ = ["CGROUP_ROOT", "OWN_CGROUPS", "CpuBudget", "cpu_budget", "memory_limit", "usable_memory"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,32 @@ def cpu_budget(cgroup_root: Path = CGROUP_ROOT, own_cgroups: Path = OWN_CGROUPS)
     return CpuBudget(affinity, _cgroup_quota(Path(cgroup_root), Path(own_cgroups)))
 
 
+def memory_limit(cgroup_root: Path = CGROUP_ROOT, own_cgroups: Path = OWN_CGROUPS) -> int | None:
+    """The smallest memory limit (bytes) on the process's cgroup and its ancestors; None: none (or
+    no cgroup mount). `cgroup_root`, `own_cgroups`: as for `cpu_budget`, with the v1 memory
+    controller at `memory/` (v1 says "no limit" with a number beyond any machine's memory)."""
+    return _smallest(Path(cgroup_root), Path(own_cgroups), "memory", _memory_v2, _memory_v1)
+
+
+def usable_memory(cgroup_root: Path = CGROUP_ROOT, own_cgroups: Path = OWN_CGROUPS) -> int:
+    """Bytes of memory this process may use: the machine's physical memory, or its cgroup's limit
+    when that is lower."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = memory_limit(cgroup_root, own_cgroups)
+    return physical if limit is None else min(physical, limit)
+
+
 def _cgroup_quota(root: Path, own_cgroups: Path) -> float | None:
+    return _smallest(root, own_cgroups, "cpu", _quota_v2, _quota_v1)
+
+
+def _smallest(root: Path, own_cgroups: Path, controller: str, read_v2: Callable[[Path], T | None],
+              read_v1: Callable[[Path], T | None]) -> T | None:
+    """The smallest value `read_v2` (a v2 mount) or `read_v1` (`controller`'s v1 hierarchy) finds on
+    the process's cgroup and its ancestors; None where none has one."""
     v2 = (root / "cgroup.controllers").exists()
-    base = root if v2 else root / "cpu"
-    own = _own_cgroup(own_cgroups, v2) if base.is_dir() else None
+    base = root if v2 else root / controller
+    own = _own_cgroup(own_cgroups, v2, controller) if base.is_dir() else None
     if own is None:
         return None
     # The process's cgroup and every ancestor, nearest first. Inside a container the hierarchy is often
@@ -63,15 +94,16 @@ def _cgroup_quota(root: Path, own_cgroups: Path) -> float | None:
     # directories that do not exist below the mount are skipped, the mount itself is the container's.
     directory = base / own.strip("/")
     chain = [directory, *(p for p in directory.parents if p.is_relative_to(base))]
-    quotas = [q for d in chain if d.is_dir() and (q := (_quota_v2(d) if v2 else _quota_v1(d))) is not None]
-    return min(quotas, default=None)
+    read = read_v2 if v2 else read_v1
+    values = [value for d in chain if d.is_dir() and (value := read(d)) is not None]
+    return min(values, default=None)
 
 
-def _own_cgroup(own_cgroups: Path, v2: bool) -> str | None:
-    """The process's cgroup path in the v2 hierarchy, or in the v1 hierarchy holding the cpu controller."""
+def _own_cgroup(own_cgroups: Path, v2: bool, controller: str) -> str | None:
+    """The process's cgroup path in the v2 hierarchy, or in the v1 hierarchy holding `controller`."""
     for line in own_cgroups.read_text().splitlines():
         number, controllers, path = line.split(":", 2)
-        if (number == "0" and controllers == "") if v2 else "cpu" in controllers.split(","):
+        if (number == "0" and controllers == "") if v2 else controller in controllers.split(","):
             return path
     return None
 
@@ -91,3 +123,18 @@ def _quota_v1(directory: Path) -> float | None:
     except FileNotFoundError:
         return None
     return None if quota < 0 else quota / period
+
+
+def _memory_v2(directory: Path) -> int | None:
+    try:
+        limit = (directory / "memory.max").read_text().strip()
+    except FileNotFoundError:  # the root cgroup has none
+        return None
+    return None if limit == "max" else int(limit)
+
+
+def _memory_v1(directory: Path) -> int | None:
+    try:
+        return int((directory / "memory.limit_in_bytes").read_text())
+    except FileNotFoundError:
+        return None

@@ -1,6 +1,7 @@
-"""service.cpus: the CPUs the process may use, read from fake cgroup trees laid out as the kernel
-lays them out (v2 `cpu.max`; v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), and the thread
-defaults that follow them."""
+"""service.cpus: the CPUs and the memory the process may use, read from fake cgroup trees laid out
+as the kernel lays them out (v2 `cpu.max`, `memory.max`; v1 `cpu.cfs_quota_us` /
+`cpu.cfs_period_us`, `memory.limit_in_bytes`), and the defaults that follow them (threads, the CPU
+trunk's KV budget)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.cli import serve
-from service.cpus import CpuBudget, cpu_budget
+from service.cpus import CpuBudget, cpu_budget, memory_limit, usable_memory
+from service.engine.scheduler import KV_MEMORY_FRACTION, default_kv_cache_bytes
 
 AFFINITY = len(os.sched_getaffinity(0))
+PHYSICAL = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -75,6 +79,39 @@ def test_without_a_quota_or_a_cgroup_mount_the_affinity_counts(tmp_path):
 def test_usable_is_the_affinity_capped_by_the_quota(affinity, quota, usable, per_two):
     budget = CpuBudget(affinity, quota)
     assert budget.usable == usable and budget.per_worker(2) == per_two
+
+
+def test_the_smallest_memory_limit_on_the_way_up_binds(tmp_path):
+    root = _tree(tmp_path / "cgroup", {
+        "cgroup.controllers": "cpu memory\n",
+        "kubepods.slice/memory.max": "max\n",
+        "kubepods.slice/pod1/memory.max": "2147483648\n",
+        "kubepods.slice/pod1/ctr/memory.max": "4294967296\n",
+    })
+    own = _own(tmp_path, "0::/kubepods.slice/pod1/ctr")
+    assert memory_limit(root, own) == 2 << 30
+    assert usable_memory(root, own) == min(PHYSICAL, 2 << 30)
+    assert memory_limit(root, _own(tmp_path, "0::/kubepods.slice")) is None  # "max": no limit
+
+
+def test_v1_memory_limit_with_the_containers_cgroup_mounted_as_the_root(tmp_path):
+    root = _tree(tmp_path / "cgroup", {"memory/memory.limit_in_bytes": "1073741824\n",
+                                       "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    own = _own(tmp_path, "12:memory:/docker/abc", "4:cpu,cpuacct:/docker/abc", "0::/docker/abc")
+    assert memory_limit(root, own) == 1 << 30 and usable_memory(root, own) == min(PHYSICAL, 1 << 30)
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert usable_memory(root, own) == PHYSICAL
+
+
+def test_without_a_memory_limit_or_a_cgroup_mount_the_physical_memory_counts(tmp_path):
+    assert memory_limit(tmp_path / "no-such-mount", _own(tmp_path, "0::/")) is None
+    root = _tree(tmp_path / "cgroup", {"cgroup.controllers": "memory\n"})  # the root cgroup has no memory.max
+    assert usable_memory(root, _own(tmp_path, "0::/")) == PHYSICAL
+
+
+def test_the_cpu_trunks_default_kv_budget_is_a_share_of_the_usable_memory():
+    """Not of the machine's: in a container with a memory limit that would be OOM-killed."""
+    assert default_kv_cache_bytes(torch.device("cpu")) == int(usable_memory() * KV_MEMORY_FRACTION)
 
 
 def test_this_machine_reads_without_error():

@@ -155,6 +155,22 @@ def test_penalties_follow_vllm_formulas():
     assert sample_batch(torch.tensor([[0.0, 1.0, 0.5, 0.0]]), [alone])[0].token_id == 2
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(min_tokens=2), SamplingParams(logit_bias={3: 5.0}),
+                                    SamplingParams(frequency_penalty=0.5), SamplingParams(repetition_penalty=1.5),
+                                    SamplingParams(presence_penalty=1.0, logit_bias={1: -2.0})])
+def test_processing_never_writes_the_logits_it_is_given(params):
+    """process copies the row only to edit it in place; the batch's row (its raw logprobs) stays."""
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[*range(7), END_OF_MSG]] = True  # 8 columns, <|end_of_msg|> the last (min_tokens holds it back)
+    sampler = Sampler(params, TokenSpace(VOCAB, allowed), prompt_ids=[1, 2])
+    sampler.take(3)
+    logits = torch.tensor([1.0, 2.0, -2.0, 3.0, -1.0, 0.5, 0.0, 4.0])
+    before = logits.clone()
+    processed = sampler.process(logits)
+    assert torch.equal(logits, before)
+    assert torch.equal(processed, before) == (not (params.min_tokens or params.logit_bias or params.penalised))
+
+
 def test_logprobs_are_the_models_distribution(model):
     p = SamplingParams(max_new_tokens=3, logprobs=True, top_logprobs=4, ignore_eos=True)
     (out,) = generate(model, PROMPTS[:1], params=p)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from textcore import kda
-from textcore.kda import CHUNK, chunk_kda, l2_normalize, recurrent_kda
+from textcore.kda import CHUNK, ShortConv, chunk_kda, l2_normalize, recurrent_kda
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -55,12 +55,14 @@ def test_chunk_matches_recurrent_at_the_decay_bound():
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
 
 
-def test_inputs_are_not_modified():
+@pytest.mark.parametrize("kda", [chunk_kda, recurrent_kda])
+def test_inputs_are_not_modified(kda):
     """One head, one whole chunk: the chunked layout of g is then a plain view of g, yet chunk_kda
-    must not sum its cumulative decay into the caller's tensor."""
+    must not sum its cumulative decay into the caller's tensor; recurrent_kda takes the caller's
+    initial state without a copy and must not write it."""
     inputs = _inputs(1, CHUNK, 1, 16, 8, seed=5)
     copies = [t.clone() for t in inputs]
-    chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
     for t, before in zip(inputs, copies, strict=True):
         assert torch.equal(t, before)
 
@@ -97,3 +99,16 @@ def test_bad_shapes_are_named():
         chunk_kda(q, k, v, g.index_put((torch.tensor(0),) * 4, torch.tensor(float("nan"))), beta)
     with pytest.raises(ValueError, match="initial_state"):
         recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 5))
+
+
+def test_a_conv_step_is_the_conv_of_one_token():
+    """ShortConv.step (a decode token of each sequence, the taps summed) gives what the conv of that
+    one token after its state gives, and the same new state."""
+    gen = torch.Generator().manual_seed(9)
+    conv = ShortConv(24, 4)
+    conv.weight.data = torch.randn(24, 1, 4, generator=gen)
+    x, state = torch.randn(5, 1, 24, generator=gen), torch.randn(5, 24, 3, generator=gen)
+    y, new = conv(x, state)
+    y_step, new_step = conv.step(x[:, 0], state)
+    torch.testing.assert_close(y_step, y[:, 0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(new_step, new)

@@ -14,13 +14,15 @@ import pytest
 from image_upstream import ImageUpstream
 from openai_schema import ChatCompletion, ChatCompletionChunk
 
+from service.batch.backends import _engine_item
 from service.batch.inputs import load_items
 from service.batch.spec import JobSpec
 from service.engine import ChatInput, Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
 from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
 from service.openai.request import MAX_JSON_DEPTH, TEMPLATE, ImagePart, parse_chat_request, parse_json
-from service.openai.response import Reply, chunk, completion, error_body
+from service.openai.response import Reply, chunk, completion, error_body, logprobs_entry
+from service.rpc.convert import event
 from textcore import parser as p
 from textcore.chat import CHAT_KWARGS, ChatError
 from textcore.generate import SamplingError, SamplingParams
@@ -414,8 +416,26 @@ def test_the_rules_openai_states_beyond_the_shapes():
     assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat_kwargs == {"tool_choice": "none"}
 
 
-def _logprob(token: str, logprob: float, token_id: int = 7) -> TokenLogprob:
-    return TokenLogprob(token_id, token, token.encode(), logprob)
+_TOKENS = {7: "A", 8: "B", 9: "é"}  # token id -> text
+
+
+def _logprob(token: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(next(i for i, text in _TOKENS.items() if text == token), logprob)
+
+
+def _logprobs(chosen: TokenLogprob, top: tuple[TokenLogprob, ...]) -> Logprobs:
+    return Logprobs(chosen, top, lambda token_id: _TOKENS[token_id].encode())
+
+
+def test_logprobs_read_back_from_a_servers_events_give_the_same_entries():
+    """A Generate event carries each token's text and bytes (read by the gRPC face); a batch job
+    run against the server reads them back from it, and reports the entries the engine's give."""
+    item = _logprobs(_logprob("é", -1.0), (_logprob("é", -1.0), _logprob("B", -2.5)))
+    wire = event(Choice(2, item))
+    assert [(e.token, e.bytes) for e in (wire.logprobs.chosen, *wire.logprobs.top)] == [
+        ("é", "é".encode()), ("é", "é".encode()), ("B", b"B")]
+    back = _engine_item(wire)
+    assert back.index == 2 and logprobs_entry(back.item) == logprobs_entry(item)
 
 
 def test_choices_are_indexed_their_usage_summed_and_logprobs_in_openais_shape():
@@ -423,10 +443,10 @@ def test_choices_are_indexed_their_usage_summed_and_logprobs_in_openais_shape():
     a token's logprobs go out with its choice's next chunk, and in `choices[].logprobs.content`
     (OpenAI's shape: token, logprob (-9999.0 for a token with none), bytes, top_logprobs)."""
     reply = Reply()
-    first = Logprobs(_logprob("A", -0.5), (_logprob("A", -0.5), _logprob("B", float("-inf"), 8)))
+    first = _logprobs(_logprob("A", -0.5), (_logprob("A", -0.5), _logprob("B", float("-inf"))))
     parts = [reply.add(Choice(1, first)), reply.add(Choice(1, p.ContentDelta("A"))),
              reply.add(Choice(0, p.ContentDelta("x"))), reply.add(Choice(0, GenerationResult("length", 30, 16, 1))),
-             reply.add(Choice(1, Logprobs(_logprob("é", -1.0), ()))),
+             reply.add(Choice(1, _logprobs(_logprob("é", -1.0), ()))),
              reply.add(Choice(1, GenerationResult("stop", 30, 16, 2)))]
     entry = {"token": "A", "logprob": -0.5, "bytes": [65], "top_logprobs": [
         {"token": "A", "logprob": -0.5, "bytes": [65]}, {"token": "B", "logprob": -9999.0, "bytes": [66]}]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import re
 import threading
 import time
 import weakref
@@ -16,8 +17,9 @@ import pytest
 
 from service.engine.engine import decodable_ids
 from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler
+from service.errors import BadRequest, TooLarge, Unavailable
 from textcore.config import tiny
-from textcore.generate import SamplingParams, generate
+from textcore.generate import SamplingError, SamplingParams, generate
 from textcore.model import KimiLinearForCausalLM
 from textcore.stops import TEXT_EVENTS
 
@@ -211,3 +213,64 @@ def test_stop_strings_end_a_reply_inside_the_batch(scheduler_of, tiny_tokenizer)
     (result,) = stopped.results()
     assert result.finish_reason == "stop" and result.completion_tokens < 30
     assert stopped.tokens() == free.tokens()[:result.completion_tokens]
+
+
+def test_a_job_that_could_never_run_is_refused_at_submit(scheduler_of, tiny_tokenizer):
+    """More sequences than decode together, a worst case over the whole KV budget, a token id
+    outside the vocabulary: each refused by submit with its own error, never queued (it would
+    wait forever, or fail the step of every job); the scheduler goes on serving."""
+    prompt = _prompt(tiny_tokenizer, TEXTS[0])
+    one = scheduler_of().worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=8))
+    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=one)
+    for params, error, words in (({"n": 3}, BadRequest, "n 3 is above this server's --max-num-seqs 2"),
+                                 ({"max_new_tokens": 9}, TooLarge, "worst-case KV cache"),
+                                 ({"logit_bias": {200_000: 1.0}}, SamplingError,
+                                  "logit_bias names token 200000, outside the vocabulary [0, 163840)")):
+        with pytest.raises(error, match=re.escape(words)):
+            _submit(scheduler, prompt, **{"max_new_tokens": 8, **params})
+        assert scheduler.idle
+    _, fits = _submit(scheduler, prompt, max_new_tokens=8, ignore_eos=True)
+    assert len(fits.wait().tokens()) == 8 and scheduler.reserved_bytes == 0
+
+
+class FailingEmit(Collector):
+    """A caller whose emit raises on its items once `fail` is set (a fault inside a step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = threading.Event()
+
+    def __call__(self, item) -> None:
+        if self.fail.is_set() and not (item is None or isinstance(item, BaseException)):
+            raise RuntimeError("the caller's emit failed")
+        super().__call__(item)
+
+
+def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler_of, tiny_tokenizer):
+    scheduler = scheduler_of(max_num_seqs=2)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    failing = FailingEmit()
+    scheduler.submit(Job(_prompt(tiny_tokenizer, TEXTS[1]), SamplingParams(max_new_tokens=2000, ignore_eos=True,
+                                                                          logprobs=True), failing))
+    _wait_for(lambda: scheduler.last_batch == 2, "both sequences in one batch")
+    _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=6, ignore_eos=True)
+    assert scheduler.running == 2 and not waiting.items  # no room: it waits
+    failing.fail.set()
+    assert failing.ended.wait(60) and running.ended.wait(60)
+    assert str(failing.error) == str(running.error) == "the caller's emit failed"  # the step's jobs
+    assert len(waiting.wait().tokens()) == 6  # not failed for another job's error: it ran
+    assert scheduler.idle and scheduler.reserved_bytes == 0
+
+
+def test_closing_ends_every_open_job_as_unavailable_and_refuses_new_ones(scheduler_of, tiny_tokenizer):
+    """Unavailable (retryable), not a kindless error: a 500 to a client, a bug to a batch job."""
+    scheduler = scheduler_of(max_num_seqs=1)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[1]), max_new_tokens=8)
+    _wait_for(lambda: len(running.tokens()) >= 2, "the first job's tokens")
+    scheduler.close()
+    for collector in (running, waiting):
+        assert collector.ended.is_set() and isinstance(collector.error, Unavailable), collector.error
+        assert str(collector.error) == "the engine was closed while the generation ran"
+    with pytest.raises(Unavailable, match="the scheduler is closed"):
+        _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=8)

@@ -27,7 +27,7 @@ from serve_process import free_port
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
-from service.engine.scheduler import trunk_embeds
+from service.engine.scheduler import Prompt, trunk_embeds
 from service.engine.vllm_ec import mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
@@ -234,7 +234,8 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client
     engine = server.engine
     chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
     chat = ChatInput(messages, images=[ImageInput(x) for x in (a, b, c)])
-    prompt = engine._prompt_input(chat, chat_input_embeddings)
+    expanded, thinking = engine._chat_prompt(chat, chat_input_embeddings)
+    prompt = Prompt(expanded.input_ids, expanded.spans, [e.rows for e in chat_input_embeddings], thinking)
     embeds = trunk_embeds(engine.model, prompt)
     assert prompt.ids == ids
     text_rows = engine.model.embed_tokens(torch.tensor(ids))

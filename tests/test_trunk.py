@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from textcore import mla
+from textcore import mla, mxfp4
 from textcore.attnres import AttnResStream, depth_mix
 from textcore.config import TextConfig, k3, tiny
 from textcore.kda import RMSNorm
@@ -119,7 +119,7 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         return layer.o_proj(attn.reshape(1, T, -1))
 
     def run(part, cache):
-        return layer(part, Segments([part.shape[1]], cache is not None, "cpu"), cache and [cache])
+        return layer(part, Segments([part.shape[1]], cache and [cache.length], "cpu"), cache and [cache])
 
     with torch.no_grad():
         expected = materialised(x)
@@ -142,11 +142,12 @@ def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, mo
     assert sum("no KV cache scales" in r.message for r in caplog.records) == 1
     layer = model.model.layers[2].self_attn
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2))
-    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], False, "cpu")).view(2, 9, 64)
+    exact = layer(x.reshape(1, 18, 64), Segments([9, 9], None, "cpu")).view(2, 9, 64)
     entry = cache.layer(2)
 
     def run(part):  # the two sequences' new tokens end to end, as the model lays them
-        return layer(part.reshape(1, -1, 64), Segments([part.shape[1]] * 2, True, "cpu"), entry).view(2, -1, 64)
+        segments = Segments([part.shape[1]] * 2, [c.length for c in entry], "cpu")
+        return layer(part.reshape(1, -1, 64), segments, entry).view(2, -1, 64)
 
     steps = [run(x[:, :4])] + [run(x[:, t:t + 1]) for t in range(4, 9)]
     err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
@@ -199,6 +200,33 @@ def test_latent_moe_grouped_experts_equal_per_token_reference(model):
     names = dict(moe.named_parameters())
     assert {"experts.3.w1.weight", "experts.3.w2.weight", "experts.3.w3.weight", "gate.weight",
             "gate.e_score_correction_bias"} <= set(names)
+
+
+@pytest.mark.parametrize("experts_at_once", [8, 3, 0])
+def test_the_loop_decodes_the_active_mxfp4_experts_together(experts_at_once, monkeypatch):
+    """Stacked MXFP4 experts: the per-expert loop decodes the active ones together, as many at once
+    as the decode bound holds (all, three, or none: each expert's layers then decode their own),
+    and gives what each expert's own layers give, token by token."""
+    moe = KimiLinearForCausalLM.random(tiny(), seed=SEED).model.layers[1].block_sparse_moe
+    for expert in moe.experts:
+        for name in ("w1", "w2", "w3"):
+            setattr(expert, name, mxfp4.MXFP4Linear.from_linear(getattr(expert, name)))
+    assert moe.group_experts()
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    ids, w = moe.gate(x)
+    z = moe.routed_expert_down_proj(x)
+    reference = torch.stack([sum(w[t, s] * moe.experts[int(ids[t, s])](z[t:t + 1])[0] for s in range(ids.shape[1]))
+                             for t in range(x.shape[0])])
+    active = len(set(ids.reshape(-1).tolist()))
+    per_expert = 8 * (moe._grouped[0][0].numel() + moe._grouped[2][0].numel())  # fp32 bytes of its three weights
+    monkeypatch.setattr(mxfp4, "_TORCH_CHUNK_BYTES", per_expert * experts_at_once or per_expert - 1)
+    decodes = []
+    dequantize = mxfp4.dequantize
+    monkeypatch.setattr(mxfp4, "dequantize", lambda *a, **k: decodes.append(1) or dequantize(*a, **k))
+    moe.expert_backend = "loop"
+    torch.testing.assert_close(moe.routed(z, ids, w), reference, rtol=1e-6, atol=1e-6)
+    groups = -(-active // experts_at_once) if experts_at_once else None
+    assert len(decodes) == (2 * groups if groups else 3 * active)  # a decode a group, or one for each layer
 
 
 def test_attnres_k3_checkpoints_and_sources_without_allocating():

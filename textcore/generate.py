@@ -5,7 +5,8 @@ Every sequence keeps its own cache (`textcore.model.SequenceCache`) and its own 
 parameters, its generator, what it has generated), so sequences of any lengths decode together in
 one forward per step and each gets the tokens it would get alone, a seeded one included. The
 service's scheduler (`service.engine.scheduler`) and `generate` below are built from the same parts:
-`TokenSpace`, `Sampler`, `sample_batch` and `decode_step`.
+`TokenSpace`, `Sampler`, `sample_batch` and `decode_step` (whose forward also takes the prompt
+chunks of a scheduler step).
 
 From a sequence's logits to its next token, in vLLM's order: logits only for the ids that can be
 sampled (`TokenSpace`), the raw log-probabilities taken from them (`logprobs`); `min_tokens` (the
@@ -211,10 +212,12 @@ class Sampler:
         return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` `[space.size]` fp32 -> what the draw sees (a new tensor)."""
+        """`logits` `[space.size]` fp32 -> what the draw sees (`logits` itself is never written: the
+        batch's raw logprobs are read from it)."""
         p = self.params
-        out = logits.clone()
-        if len(self.tokens) < p.min_tokens:
+        held = len(self.tokens) < p.min_tokens
+        out = logits.clone() if held or self._bias is not None else logits  # the two edits in place
+        if held:
             out[self._held_back] = float("-inf")
         if self._bias is not None:
             out.index_add_(0, *self._bias)
@@ -223,7 +226,7 @@ class Sampler:
                 seen = self._in_prompt | (self._counts > 0)
                 penalty = torch.where(seen, p.repetition_penalty, 1.0)
                 out = torch.where(out > 0, out / penalty, out * penalty)
-            out -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
+            out = out - (p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0))
         return out
 
     def draw(self, logits: torch.Tensor) -> int:
@@ -288,10 +291,12 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[Samp
 
 
 def decode_step(model: KimiLinearForCausalLM, caches: Sequence[SequenceCache], tokens: Sequence[int],
-                space: TokenSpace) -> torch.Tensor:
-    """One batched forward: `tokens[b]` continues `caches[b]`; the next-token logits over `space`."""
+                space: TokenSpace, prompt_chunks: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """One batched forward: `tokens[b]` continues `caches[b]` (all the ids in one host-to-device
+    copy), then each of `prompt_chunks` (a prompt's next `[T, hidden]` rows) continues the next
+    cache; the next-token logits over `space` at each one's last token, `[len(caches), space.size]`."""
     ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
-    return model.step(list(ids[:, None]), TrunkCache(list(caches)), head_ids=space.ids)
+    return model.step([*ids[:, None], *prompt_chunks], TrunkCache(list(caches)), head_ids=space.ids)
 
 
 @dataclass

@@ -61,7 +61,7 @@ def recurrent_kda(
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()  # never written: S is rebound
     o = v.new_empty(B, T, H, V)
     for t in range(T):
         k_t = k[:, t]
@@ -217,6 +217,14 @@ class ShortConv(nn.Module):
         y = F.conv1d(full, self.weight, groups=C)
         return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (self.kernel - 1):]
 
+    def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token of each of B sequences: x `[B, C]`, state `[B, C, kernel-1]` -> (SiLU(conv)
+        in fp32 `[B, C]`, the new state). The conv of one output per channel written out: each
+        channel's taps times its kernel, summed (F.conv1d's depthwise kernel costs ~100x more on
+        CPU for this shape)."""
+        full = torch.cat([state, x.float()[..., None]], dim=-1)
+        return F.silu((full * self.weight[:, 0]).sum(-1)), full[..., 1:]
+
 
 class KDACache:
     """Decode state of one sequence in one KDA layer: the conv inputs (q, k, v) and the recurrent
@@ -324,10 +332,10 @@ class KimiDeltaAttention(nn.Module):
         if segments.singles:
             mine = [caches[b] for b in segments.singles]
             state = _stacked([c.conv[i] for c in mine], (t.shape[-1], conv.kernel - 1), t)
-            y, new = conv(t[0, segments.single_positions][:, None], state)
-            for b, cache in enumerate(mine):
-                cache.conv[i] = new[b].clone()
-            yield None, y, None
+            y, new = conv.step(t[0, segments.single_positions], state)
+            for b, cache in enumerate(mine):  # views of the step's [Bd, C, kernel] inputs: one column more, no copy
+                cache.conv[i] = new[b]
+            yield None, y[:, None], None
         for b in segments.others:
             state = caches[b].conv[i][None] if caches is not None and caches[b].conv[i] is not None else None
             y, new = conv(t[:, segments.span(b)], state)

@@ -78,6 +78,13 @@ class MLACache:
         held = self.buffer[:self.length]
         return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
 
+    def read_into(self, out: torch.Tensor) -> None:
+        """Write the rows held, as read back from the cache, into `out` `[length, dims]` (fp32:
+        exactly `latents`' values, which fp8 and the model's dtype both hold)."""
+        out.copy_(self.buffer[:self.length])
+        if self.fp8:
+            out.mul_(FP8_SCALE)
+
     def clone(self) -> MLACache:
         copy = MLACache.__new__(MLACache)
         copy.fp8, copy.capacity, copy.length = self.fp8, self.capacity, self.length
@@ -90,13 +97,15 @@ class MLACache:
         return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
 
 
-def _stack_right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """`[B, max length, dims]` from `[length_b, dims]` tensors (a view for one), zeros after each."""
-    if len(rows) == 1:
-        return rows[0][None]
-    out = rows[0].new_zeros(len(rows), max(r.shape[0] for r in rows), rows[0].shape[1])
-    for b, r in enumerate(rows):
-        out[b, :r.shape[0]] = r
+def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
+    """`[B, longest, dims]` fp32: each cache's latents, zeros after each (one copy from the caches;
+    none for one cache that holds fp32)."""
+    if len(caches) == 1:
+        return caches[0].latents(torch.float32)[None]
+    first = caches[0].buffer
+    out = first.new_zeros(len(caches), max(c.length for c in caches), first.shape[1], dtype=torch.float32)
+    for b, cache in enumerate(caches):
+        cache.read_into(out[b, :cache.length])
     return out
 
 
@@ -136,11 +145,11 @@ class GatedMLA(nn.Module):
         if segments.singles:
             at = segments.single_positions
             mine = [caches[b] for b in segments.singles]
-            starts = torch.tensor([cache.length for cache in mine], device=x.device)
             for cache, row in zip(mine, latent[at], strict=True):
                 cache.append(row[None])
-            keys = _stack_right_padded([cache.latents(x.dtype) for cache in mine])
-            attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, starts, w_kv)[:, 0]
+            keys = _stack_right_padded(mine)
+            attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, segments.single_starts,
+                                         w_kv)[:, 0]
         for b in segments.others:
             span = segments.span(b)
             start = 0
@@ -155,8 +164,8 @@ class GatedMLA(nn.Module):
 
     def _absorbed(self, q_nope, q_rope, latent, starts, w_kv) -> torch.Tensor:
         """One new token per sequence (row b at position starts[b]), in latent space: `[B, 1, H, v]`;
-        each row sees its own keys only (latent is right-padded to the longest)."""
-        c_all, k_rot_all = latent.float().split([self.kv_lora_rank, self.rope], dim=-1)
+        each row sees its own keys only (latent, fp32, is right-padded to the longest)."""
+        c_all, k_rot_all = latent.split([self.kv_lora_rank, self.rope], dim=-1)
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope.float(), w_kv[:, :self.nope].float())
         scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all)
         scores = scores + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rot_all)

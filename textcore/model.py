@@ -196,7 +196,7 @@ class KimiLinearForCausalLM(nn.Module):
         if cache is not None and cache.batch != x.shape[0]:
             raise ValueError(f"cache is for batch {cache.batch}, inputs have batch {x.shape[0]}")
         B, T, hidden = x.shape
-        segments = Segments([T] * B, cache is not None, x.device)
+        segments = Segments([T] * B, None if cache is None else [s.length for s in cache.sequences], x.device)
         h = self.model(x.to(self.dtype).reshape(1, B * T, hidden), segments, cache).view(B, T, hidden)
         for sequence in cache.sequences if cache is not None else ():
             sequence.length += T
@@ -220,7 +220,7 @@ class KimiLinearForCausalLM(nn.Module):
             looked_up = self.embed_tokens(torch.cat([chunks[b] for b in ids]).to(self.device))
             for b, part in zip(ids, looked_up.split([len(chunks[b]) for b in ids]), strict=True):
                 rows[b] = part
-        segments = Segments([len(r) for r in rows], True, self.device)
+        segments = Segments([len(r) for r in rows], [s.length for s in cache.sequences], self.device)
         h = self.model(torch.cat([r.to(self.device, self.dtype) for r in rows])[None], segments, cache)
         for sequence, n in zip(cache.sequences, segments.lengths, strict=True):
             sequence.length += n

@@ -10,7 +10,9 @@ scaled; the routed experts run in a narrower latent space (down proj -> experts 
 
 The routed experts run one of two ways, with the same result up to float32 summation order:
 - the per-expert loop (CPU, dense experts, the reference): the (token, slot) pairs sorted by
-  expert, one call of each active expert on exactly its rows;
+  expert, one call of each active expert on exactly its rows; stacked MXFP4 experts are decoded
+  first, all the active ones of a step together (as many at a time as `mxfp4._TORCH_CHUNK_BYTES` of
+  float32 holds), not each of their three weights on its own;
 - grouped (MXFP4 experts on CUDA): the same sort, then one grouped-GEMM launch over all experts
   for w1 and w3 together and one for w2 (`textcore.mxfp4.expert_matmul`), instead of three
   launches per active expert. `group_experts` stacks the packed weights for it once, and each
@@ -19,7 +21,8 @@ The routed experts run one of two ways, with the same result up to float32 summa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -35,6 +38,16 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
     g, u = gate.float(), up.float()
     out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
     return out.to(gate.dtype)
+
+
+def _decoded_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                    betas: tuple[float, float]) -> torch.Tensor:
+    """An MXFP4 expert on rows x with its weights already decoded (fp32 `[out, in]`): the products
+    its MXFP4Linear layers compute (`mxfp4.matmul` on the CPU), `w2(SiTU(w1 x, w3 x))`."""
+    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (a.float() @ w.T).to(a.dtype)
+
+    return mm(situ(mm(x, w1), mm(x, w3), *betas), w2)
 
 
 class SiTUMLP(nn.Module):
@@ -176,15 +189,33 @@ class LatentMoE(nn.Module):
         """One call per active expert on exactly its rows."""
         routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
         counts = torch.bincount(ids.reshape(-1), minlength=len(self.experts)).tolist()
+        starts = [0, *itertools.accumulate(counts)]
         weight_of = weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = token_of[start:start + n]
-                y = self.experts[e](z[rows])
-                routed[rows] += y.float() * weight_of[start:start + n, None]  # a token meets an expert once
-                start += n
+        for e, decoded in self._decoded([e for e, n in enumerate(counts) if n]):
+            pairs = slice(starts[e], starts[e + 1])
+            rows = token_of[pairs]
+            y = self.experts[e](z[rows]) if decoded is None else _decoded_expert(z[rows], *decoded, self.betas)
+            routed[rows] += y.float() * weight_of[pairs, None]  # a token meets an expert once
         return routed
+
+    def _decoded(self, active: list[int]) -> Iterator[tuple[int, tuple[torch.Tensor, ...] | None]]:
+        """Each active expert with its (w1, w3, w2) decoded to fp32, from the stacks, as many experts
+        at once as `mxfp4._TORCH_CHUNK_BYTES` holds; None where the experts are not stacked, or one expert
+        alone is over the bound (its layers then decode a block of rows at a time)."""
+        per_expert = None if self._grouped is None else 8 * (self._grouped[0][0].numel() + self._grouped[2][0].numel())
+        if per_expert is None or per_expert > mxfp4._TORCH_CHUNK_BYTES:
+            yield from ((e, None) for e in active)
+            return
+        gate_up_packed, gate_up_scale, down_packed, down_scale = self._grouped
+        inter = gate_up_packed.shape[1] // 2
+        at_once = mxfp4._TORCH_CHUNK_BYTES // per_expert
+        for first in range(0, len(active), at_once):
+            group = active[first:first + at_once]
+            index = torch.tensor(group, device=gate_up_packed.device)
+            gate_up, down = (mxfp4.dequantize(packed[index].flatten(0, 1), scale[index].flatten(0, 1), torch.float32)
+                             .view(len(group), packed.shape[1], -1)
+                             for packed, scale in ((gate_up_packed, gate_up_scale), (down_packed, down_scale)))
+            yield from ((e, (gate_up[j, :inter], gate_up[j, inter:], down[j])) for j, e in enumerate(group))
 
     def _grouped_experts(self, z, ids, weights, order, token_of) -> torch.Tensor:
         """Two grouped launches over all experts (w1 with w3, then w2); no host sync."""

@@ -189,7 +189,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 # Matrix products
 
 
-# Rows of W decoded at a time by the torch path: bounds its float32 temporary to ~32 MiB.
+# What the torch path decodes at a time (rows of W; the MoE loop: whole experts): bounds its
+# float32 temporary to ~32 MiB.
 _TORCH_CHUNK_BYTES = 32 * 1024**2
 
 

@@ -18,15 +18,24 @@ import torch
 
 
 class Segments:
-    def __init__(self, lengths: Sequence[int], cached: bool, device: torch.device | str):
+    """`lengths[b]` new tokens of sequence b; `past[b]` tokens its cache holds before them (None:
+    no caches, each sequence is whole)."""
+
+    def __init__(self, lengths: Sequence[int], past: Sequence[int] | None, device: torch.device | str):
         if not lengths or min(lengths) < 1:
             raise ValueError(f"every sequence of a forward needs at least one token; got lengths {list(lengths)}")
+        if past is not None and len(past) != len(lengths):
+            raise ValueError(f"{len(past)} cache lengths for {len(lengths)} sequences")
         self.lengths = list(lengths)
         self.offsets = [0, *itertools.accumulate(self.lengths)]
-        self.cached = cached
-        self.singles = [b for b, n in enumerate(self.lengths) if cached and n == 1]
-        self.others = [b for b, n in enumerate(self.lengths) if not (cached and n == 1)]
+        self.cached = past is not None
+        self.singles = [b for b, n in enumerate(self.lengths) if self.cached and n == 1]
+        self.others = [b for b, n in enumerate(self.lengths) if not (self.cached and n == 1)]
+        # made once per forward, for every layer: where the singles' tokens sit in the row, and at
+        # which position of its sequence each one is (the tokens before it)
         self.single_positions = torch.tensor([self.offsets[b] for b in self.singles], dtype=torch.long, device=device)
+        self.single_starts = torch.tensor([past[b] for b in self.singles] if past is not None else [],
+                                          dtype=torch.long, device=device)
 
     @property
     def total(self) -> int:

@@ -211,10 +211,10 @@ def _item(event: pb.GenerateEvent) -> p.Event | Logprobs | GenerationResult | No
         end = event.tool_call_end
         return p.ToolCallEnd(end.index, end.name, json.loads(end.arguments_json))
     if kind == "logprobs":
-        def entry(e: pb.TokenLogprob) -> TokenLogprob:
-            return TokenLogprob(e.token_id, e.token, e.bytes, e.logprob)
-
-        return Logprobs(entry(event.logprobs.chosen), tuple(entry(e) for e in event.logprobs.top))
+        chosen, top = event.logprobs.chosen, event.logprobs.top
+        wire_bytes = {e.token_id: e.bytes for e in (chosen, *top)}  # the server read each token's bytes
+        return Logprobs(TokenLogprob(chosen.token_id, chosen.logprob),
+                        tuple(TokenLogprob(e.token_id, e.logprob) for e in top), wire_bytes.__getitem__)
     if kind == "finish":
         finish, usage = event.finish, event.finish.usage
         reason = "stop" if finish.reason == pb.FINISH_REASON_STOP else "length"

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=positive_float, metavar="GB",
                         help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
                              "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "
-                             "quarter of the trunk device's memory (CUDA: free after loading; CPU: physical)")
+                             "quarter of the trunk device's memory (CUDA: free after loading; CPU: physical, or the "
+                             "cgroup's memory limit when lower)")
     parser.add_argument("--max-message-mb", type=positive_int, default=64, metavar="MB",
                         help="largest request message, all its images together (default 64)")
     add_image_limit_arguments(parser, bounded_by="--max-message-mb")

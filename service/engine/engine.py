@@ -50,7 +50,7 @@ from service.metrics import Metrics
 from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
 from textcore.model import KimiLinearForCausalLM
-from textcore.splice import Span, expand_media_pads, position_ids, prompt_ids
+from textcore.splice import Expanded, Span, expand_media_pads, position_ids, prompt_ids
 from textcore.tokenizer import MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
 from vision.checkpoint import Checkpoint
 from vision.decode import DEFAULT_LIMITS, Limits
@@ -249,11 +249,10 @@ class Engine:
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
         self.scheduler: Scheduler | None = None
         if model is not None:
-            decodable = decodable_ids(tokenizer, model.cfg.vocab_size)
             budget = config.kv_cache_bytes or default_kv_cache_bytes(model.device)
             self.scheduler = Scheduler(model, tokenizer, max_num_seqs=config.max_num_seqs,
                                        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=budget,
-                                       allowed_ids=None if bool(decodable.all()) else decodable, metrics=self.metrics)
+                                       allowed_ids=decodable_ids(tokenizer, model.cfg.vocab_size), metrics=self.metrics)
             longest = self.scheduler.sequence_bytes(self.max_model_len)
             if longest > budget:  # as vLLM refuses to start: one sequence of the model length must fit
                 self.scheduler.close()
@@ -295,19 +294,37 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.close()
 
-    @torch.inference_mode()
     def warmup(self) -> None:
-        """One small image through preprocessing, every encoder worker and the trunk, so the first
-        real request pays no first-call costs (and a broken setup fails before it serves). Blocking."""
+        """One small image through preprocessing, every encoder worker and a generation of two
+        tokens through the scheduler, its prompt a few words and the image's rows (the serving path:
+        the cached step, the prefill and the absorbed decode attention, the sampler and its
+        logprobs), so the first real request pays no first-call costs (and a broken setup fails
+        before it serves). Blocking."""
         probe = ImageInput(_probe_png())
         self._preprocess(probe)
         plan = self._plan(probe)
         futures = [self.pool.submit(probe.data, probe.options, plan) for _ in self.pool.devices]
         rows = [future.result() for future in futures][0]
-        if self.model is not None:
-            ids = torch.tensor(self.tokenizer.encode("warm up"), dtype=torch.long, device=self.model.device)
-            embeds = torch.cat([self.model.embed_tokens(ids), rows.to(self.model.device, self.model.dtype)])
-            self.model(inputs_embeds=embeds[None], last_only=True)
+        if self.scheduler is None:
+            return
+        # Not a chat: the template alone is more tokens than a small --max-model-len (one sequence of
+        # which is all the KV budget is known to hold).
+        text = self.tokenizer.encode("warm up")
+        prompt = Prompt([*text, *[MEDIA_PAD_ID] * plan.num_tokens], [Span(len(text), plan.num_tokens)], [rows],
+                        thinking=False)
+        ended: list[BaseException | None] = []
+        done = threading.Event()
+
+        def emit(item: Choice | BaseException | None) -> None:
+            if not isinstance(item, Choice):
+                ended.append(item)
+                done.set()
+
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=1)
+        self.scheduler.submit(Job(prompt, params, emit))
+        done.wait()
+        if ended[0] is not None:
+            raise ended[0]
 
     # -- what callers read ----------------------------------------------------------------------
 
@@ -450,9 +467,8 @@ class Engine:
         if max_new_tokens is not None and self.max_model_len is not None and max_new_tokens >= self.max_model_len:
             raise BadRequest(self._too_long(max_new_tokens, None))
         params = SamplingParams(max_new_tokens=max_new_tokens, **options)
-        if params.n > self.config.max_num_seqs:
-            raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.config.max_num_seqs} "
-                             "(the n sequences of a request decode together)")
+        if self.scheduler is not None:
+            self.scheduler.check_sequences(params)
         return params
 
     def _too_long(self, asked: int | None, prompt: int | None) -> str:
@@ -491,21 +507,15 @@ class Engine:
         if chat.kwargs.get("add_generation_prompt") is False:
             raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
         # The cost is known before any pixel is decoded: the prompt, its images counted from their
-        # headers, against the model length and the KV budget.
-        params.check_vocab(self.model.cfg.vocab_size)
+        # headers, against the model length, then what the scheduler can ever run (the KV budget).
         with tracing.span("preprocess", images=len(chat.images)):
             prepared = await self.run_cpu(self._prepare, chat.images)
-            prompt_tokens = await self.run_cpu(self._prompt_tokens, chat, [plan for plan, _ in prepared])
-        params = self._fit(params, prompt_tokens.total)
+            expanded, thinking = await self.run_cpu(self._chat_prompt, chat, [plan for plan, _ in prepared])
+        params = self._fit(params, len(expanded.input_ids))
         scheduler = self.scheduler
-        need = scheduler.worst_case_bytes(prompt_tokens.total, params)
-        if need > scheduler.kv_cache_bytes:
-            raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens.total:,} prompt + "
-                           f"{params.max_new_tokens:,} new tokens)) is {need:,} bytes, over the server's KV cache "
-                           f"budget of {scheduler.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
-                           "prompt or ask for fewer tokens")
+        scheduler.check(len(expanded.input_ids), params)
         embeddings = await self.embed(chat.images, prepared=prepared)
-        prompt = await self.run_cpu(self._prompt_input, chat, embeddings)
+        prompt = Prompt(expanded.input_ids, expanded.spans, [e.rows for e in embeddings], thinking)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
@@ -579,15 +589,15 @@ class Engine:
         return self._prompt_tokens(chat, self._plans(chat.images))
 
     def _prompt_tokens(self, chat: ChatInput, plans: Sequence[ImagePlan]) -> ChatTokens:
-        ids = self._prompt(chat, [plan.prompt for plan in plans])
-        counts = [plan.num_tokens for plan in plans]
-        return ChatTokens(len(expand_media_pads(ids, counts, MEDIA_PAD_ID).input_ids), counts)
+        expanded, _ = self._chat_prompt(chat, plans)
+        return ChatTokens(len(expanded.input_ids), [plan.num_tokens for plan in plans])
 
-    def _prompt_input(self, chat: ChatInput, embeddings: Sequence[ImageEmbedding]) -> Prompt:
-        """The trunk's prompt for `chat` with its images' embeddings (blocking)."""
-        segments = render(chat.messages, chat.tools, image_prompts=[e.prompt for e in embeddings], **chat.kwargs)
+    def _chat_prompt(self, chat: ChatInput, images: Sequence[ImagePlan | ImageEmbedding]) -> tuple[Expanded, bool]:
+        """The chat's prompt, rendered and tokenized once, each media_pad expanded to its image's
+        token count (`images`: each image's prompt and count, from its header's plan or its
+        embedding), and whether the generation prompt opens a think element (blocking)."""
+        segments = render(chat.messages, chat.tools, image_prompts=[image.prompt for image in images], **chat.kwargs)
         # The generation prompt ends `<|open|>think<|sep|>` or `<|open|>response<|sep|>`.
         thinking = len(segments) >= 2 and segments[-2].text == "think"
         ids = self.tokenizer.encode_segments(segments)
-        expanded = expand_media_pads(ids, [e.num_tokens for e in embeddings], MEDIA_PAD_ID)
-        return Prompt(expanded.input_ids, expanded.spans, [e.rows for e in embeddings], thinking)
+        return expand_media_pads(ids, [image.num_tokens for image in images], MEDIA_PAD_ID), thinking

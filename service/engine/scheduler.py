@@ -6,7 +6,7 @@ One thread owns the trunk and runs engine steps. Each step:
 2. admits waiting generations in arrival order while each one's worst-case cache (n sequences of
    prompt + max_new_tokens tokens, `SequenceCache.worst_case_bytes`) fits the KV budget and the
    batch stays within `max_num_seqs`; the first that does not fit waits, and so do those behind it;
-3. runs one forward (`KimiLinearForCausalLM.step`): a token of every running sequence, and prefill
+3. runs one forward (`textcore.generate.decode_step`): a token of every running sequence, and prefill
    chunks of the admitted prompts, oldest first, in the rest of the step's `max_num_batched_tokens`,
    so a long prompt never stalls the running streams for its whole prefill. All of the step's
    tokens go through the per-token layers together (the routed experts see them in one MoE call).
@@ -15,13 +15,14 @@ One thread owns the trunk and runs engine steps. Each step:
 
 Each sequence has its own cache, sampler (seeded `seed + index`), output parser and stop strings,
 so batching changes no sequence's tokens. What a sequence produces goes back to its caller as
-`Choice` items through the job's `emit`, called on this thread.
+`Choice` items through the job's `emit`, called on this thread. A job that could never run here
+(`check`: n over `max_num_seqs`, a worst case over the whole budget, ids outside the vocabulary)
+is refused when it is submitted; a step that fails ends the jobs in it, not those still waiting.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,9 +31,11 @@ from typing import NamedTuple
 
 import torch
 
+from service.cpus import usable_memory
+from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenLogprobs, TokenSpace, sample_batch
-from textcore.model import KimiLinearForCausalLM, SequenceCache, TrunkCache
+from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
+from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.parser import Event, StreamParser
 from textcore.splice import Span, splice_rows
 from textcore.stops import StopStrings
@@ -45,11 +48,11 @@ KV_MEMORY_FRACTION = 0.25  # default KV budget: this share of the trunk device's
 
 def default_kv_cache_bytes(device: torch.device) -> int:
     """The KV budget when none is configured: a share of the device's free memory (CUDA) or of the
-    machine's physical memory (CPU)."""
+    memory this process may use (CPU: physical, or its cgroup's limit when lower, `service.cpus`)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * KV_MEMORY_FRACTION)
-    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_FRACTION)
+    return int(usable_memory() * KV_MEMORY_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,24 @@ class GenerationResult:
     completion_tokens: int
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(NamedTuple):
     token_id: int
-    token: str  # its text (a character cut in half by the tokenizer shows as U+FFFD)
-    bytes: bytes  # its exact bytes
     logprob: float
 
 
 @dataclass(frozen=True)
 class Logprobs:
-    """One sampled token's log-probability and the most likely tokens at its position."""
+    """One sampled token's log-probability and the most likely tokens at its position, by id. Their
+    text is read by the face that reports them (`text`), not on the trunk's thread."""
 
     chosen: TokenLogprob
     top: tuple[TokenLogprob, ...]
+    token_bytes: Callable[[int], bytes]  # a token's exact bytes (the tokenizer's)
+
+    def text(self, entry: TokenLogprob) -> tuple[str, bytes]:
+        """`entry`'s text (a character cut in half by the tokenizer shows as U+FFFD) and its exact bytes."""
+        data = self.token_bytes(entry.token_id)
+        return data.decode("utf-8", errors="replace"), data
 
 
 class Choice(NamedTuple):
@@ -149,10 +156,11 @@ class _Sequence:
         self.index = index
         self.cache: SequenceCache | None = cache
         self.sampler = sampler
-        self.tokenizer = tokenizer
         self.parser = StreamParser(tokenizer, thinking=job.prompt.thinking,
                                    skip_special_tokens=job.params.skip_special_tokens)
         self.stops = StopStrings(job.params.stop)
+        # what a Logprobs item reads its tokens' text with (holding the tokenizer, not this sequence)
+        self.token_bytes: Callable[[int], bytes] = lambda token_id: tokenizer.decode_bytes([token_id])
         self.last = -1
         self.finished = False
 
@@ -165,7 +173,9 @@ class _Sequence:
         else:
             self.last = sample.token_id
             if sample.logprobs is not None:
-                self._emit(self._logprobs(sample.logprobs))
+                raw = sample.logprobs
+                self._emit(Logprobs(TokenLogprob(raw.token_id, raw.logprob), tuple(map(TokenLogprob._make, raw.top)),
+                                    self.token_bytes))
             events = self.parser.feed([sample.token_id])
         released = self.stops.feed(events, search=len(self.sampler.tokens) > self.job.params.min_tokens)
         if self.stops.matched is not None:
@@ -182,13 +192,6 @@ class _Sequence:
 
     def _emit(self, item: Event | Logprobs | GenerationResult) -> None:
         self.job.emit(Choice(self.index, item))
-
-    def _logprobs(self, raw: TokenLogprobs) -> Logprobs:
-        def entry(token_id: int, logprob: float) -> TokenLogprob:
-            data = self.tokenizer.decode_bytes([token_id])
-            return TokenLogprob(token_id, data.decode("utf-8", errors="replace"), data, logprob)
-
-        return Logprobs(entry(raw.token_id, raw.logprob), tuple(entry(i, lp) for i, lp in raw.top))
 
 
 class Scheduler:
@@ -229,12 +232,34 @@ class Scheduler:
         """What a job's n sequences may hold at most."""
         return params.n * self.sequence_bytes(prompt_tokens + params.max_new_tokens)
 
+    def check_sequences(self, params: SamplingParams) -> None:
+        """The n sequences of a request decode together: n within `max_num_seqs`."""
+        if params.n > self.max_num_seqs:
+            raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.max_num_seqs} "
+                             "(the n sequences of a request decode together)")
+
+    def check(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse a job that could never be admitted or started: more sequences than decode together
+        (`BadRequest`), a worst-case cache over the whole KV budget (`TooLarge`), token ids outside
+        the vocabulary (`SamplingError`). `params.max_new_tokens` must be resolved."""
+        if params.max_new_tokens is None:
+            raise ValueError("params.max_new_tokens is None: resolve it from the prompt's length first")
+        self.check_sequences(params)
+        need = self.worst_case_bytes(prompt_tokens, params)
+        if need > self.kv_cache_bytes:
+            raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens:,} prompt + "
+                           f"{params.max_new_tokens:,} new tokens)) is {need:,} bytes, over the server's KV cache "
+                           f"budget of {self.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
+                           "prompt or ask for fewer tokens")
+        params.check_vocab(self.model.cfg.vocab_size)
+
     def submit(self, job: Job) -> None:
-        """Queue a job (the caller has checked that its worst case fits the budget at all)."""
-        job.sequence_bytes = self.worst_case_bytes(len(job.prompt.ids), job.params) // job.params.n
+        """Queue a job (`check`ed here: one that could never run is refused, not left waiting)."""
+        self.check(len(job.prompt.ids), job.params)
+        job.sequence_bytes = self.sequence_bytes(len(job.prompt.ids) + job.params.max_new_tokens)
         with self._wake:
             if self._closed:
-                raise RuntimeError("the scheduler is closed")
+                raise Unavailable("the scheduler is closed")
             self._waiting.append(job)
             self._wake.notify()
 
@@ -248,7 +273,7 @@ class Scheduler:
         return len(self._running)
 
     def close(self) -> None:
-        """Stop after the current step; generations still open end with an error."""
+        """Stop after the current step; generations still open (queued too) end `Unavailable`."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -269,21 +294,20 @@ class Scheduler:
                     self._step()
             except Exception as exc:  # noqa: BLE001 - a failed step fails its jobs, not the server
                 log.exception("trunk step failed")
-                for job in self._jobs():
-                    job.end(exc)
-                self._reset()
-        closed = RuntimeError("the engine was closed while the generation ran")
-        for job in self._jobs():
+                self._end_admitted(exc)
+        closed = Unavailable("the engine was closed while the generation ran")  # retryable: elsewhere or later
+        with self._wake:  # submit refuses from now on: nothing joins after this
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
             job.end(closed)
-        self._reset()
+        self._end_admitted(closed)
 
-    def _jobs(self) -> list[Job]:
-        jobs = {id(j): j for j in [*self._waiting, *(p.job for p in self._prefilling), *(s.job for s in self._running)]}
-        return list(jobs.values())
-
-    def _reset(self) -> None:
-        with self._wake:
-            self._waiting.clear()
+    def _end_admitted(self, exc: BaseException) -> None:
+        """End the admitted jobs (prefilling or running) with `exc` and drop them; the waiting
+        ones were not in the step and stay queued."""
+        jobs = {id(j): j for j in [*(p.job for p in self._prefilling), *(s.job for s in self._running)]}
+        for job in jobs.values():
+            job.end(exc)
         self._prefilling, self._running, self.reserved_bytes = [], [], 0
         self._report()
 
@@ -307,11 +331,10 @@ class Scheduler:
     def _forward(self, batch: list[_Sequence], chunks: list[tuple[_Prefill, int]]) -> None:
         """One forward of the step: a token for every running sequence and the prompt chunks; the
         running ones sample their next token, a prompt whose last chunk this was starts."""
-        inputs = [torch.tensor([s.last], device=self.model.device) for s in batch]
-        inputs += [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks]
         caches = [s.cache for s in batch] + [prefill.cache for prefill, _ in chunks]
         try:
-            logits = self.model.step(inputs, TrunkCache(caches), head_ids=self._space.ids)
+            logits = decode_step(self.model, caches, [s.last for s in batch], self._space,
+                                 [prefill.embeds[prefill.done:prefill.done + take] for prefill, take in chunks])
             samples = sample_batch(logits[:len(batch)], [s.sampler for s in batch])
         except Exception as exc:  # noqa: BLE001 - the step's jobs fail; the scheduler goes on
             log.exception("trunk step failed")
@@ -319,8 +342,7 @@ class Scheduler:
                 sequence.job.end(exc)
                 self._finish(sequence)
             for prefill, _ in chunks:
-                self._prefilling.remove(prefill)
-                self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+                self._release(prefill)
                 prefill.job.end(exc)
             self._running = [s for s in self._running if not s.finished]
             return
@@ -332,8 +354,8 @@ class Scheduler:
         for (prefill, take), row in zip(chunks, logits[len(batch):], strict=True):
             prefill.done += take
             if prefill.done == len(prefill.job.prompt.ids):
-                self._prefilling.remove(prefill)
                 self._start(prefill, row[None])
+                self._prefilling.remove(prefill)  # after: a start that fails leaves its job among the admitted
 
     def _drop_cancelled(self) -> None:
         for sequence in self._running:
@@ -341,8 +363,7 @@ class Scheduler:
                 self._finish(sequence)
         self._running = [s for s in self._running if not s.finished]
         for prefill in [p for p in self._prefilling if p.job.cancelled.is_set()]:
-            self._prefilling.remove(prefill)
-            self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
+            self._release(prefill)
         with self._wake:
             self._waiting = deque(job for job in self._waiting if not job.cancelled.is_set())
 
@@ -363,6 +384,11 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this job's input (e.g. an id outside the vocabulary)
                 self.reserved_bytes -= need
                 job.end(exc)
+
+    def _release(self, prefill: _Prefill) -> None:
+        """A prompt leaves before it starts: its cache is dropped and its n sequences' reservation returned."""
+        self._prefilling.remove(prefill)
+        self.reserved_bytes -= prefill.job.params.n * prefill.job.sequence_bytes
 
     def _start(self, prefill: _Prefill, logits: torch.Tensor) -> None:
         """The prompt is in: fork its cache into the job's n sequences, each samples its first token."""

@@ -43,13 +43,14 @@ def new_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _logprob(entry: TokenLogprob) -> dict[str, Any]:
-    return {"token": entry.token, "logprob": max(entry.logprob, LOGPROB_FLOOR), "bytes": list(entry.bytes)}
+def _logprob(entry: TokenLogprob, logprobs: Logprobs) -> dict[str, Any]:
+    token, data = logprobs.text(entry)  # here, not on the trunk's thread
+    return {"token": token, "logprob": max(entry.logprob, LOGPROB_FLOOR), "bytes": list(data)}
 
 
 def logprobs_entry(logprobs: Logprobs) -> dict[str, Any]:
     """One token of OpenAI's `choices[].logprobs.content`."""
-    return {**_logprob(logprobs.chosen), "top_logprobs": [_logprob(e) for e in logprobs.top]}
+    return {**_logprob(logprobs.chosen, logprobs), "top_logprobs": [_logprob(e, logprobs) for e in logprobs.top]}
 
 
 @dataclass

@@ -152,8 +152,9 @@ def chunks(data: bytes) -> list[memoryview]:
     return [view[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
 
-def _logprob(entry: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token=entry.token, bytes=entry.bytes, logprob=entry.logprob, token_id=entry.token_id)
+def _logprob(entry: TokenLogprob, logprobs: Logprobs) -> pb.TokenLogprob:
+    token, data = logprobs.text(entry)  # here, not on the trunk's thread
+    return pb.TokenLogprob(token=token, bytes=data, logprob=entry.logprob, token_id=entry.token_id)
 
 
 def event(choice: Choice) -> pb.GenerateEvent | None:
@@ -166,7 +167,8 @@ def event(choice: Choice) -> pb.GenerateEvent | None:
 
 def _event(item: p.Event | Logprobs | GenerationResult) -> pb.GenerateEvent | None:
     if isinstance(item, Logprobs):
-        return pb.GenerateEvent(logprobs=pb.Logprobs(chosen=_logprob(item.chosen), top=[_logprob(e) for e in item.top]))
+        return pb.GenerateEvent(logprobs=pb.Logprobs(chosen=_logprob(item.chosen, item),
+                                                     top=[_logprob(e, item) for e in item.top]))
     if isinstance(item, GenerationResult):
         return pb.GenerateEvent(finish=pb.Finish(
             reason=_FINISH[item.finish_reason],
