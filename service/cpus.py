@@ -1,5 +1,6 @@
 """How many CPUs this process may use, which every thread default is sized from (the encoder
-workers' torch and OpenCV threads, the engine's request threads, the serving process's torch threads),
+workers' torch and OpenCV threads, the engine's request threads, the serving process's torch threads
+(a CPU trunk's: what the CPU workers leave)),
 and how much memory (`usable_memory`: the CPU trunk's default KV budget is a share of it).
 
 `os.cpu_count()` counts the machine's cores: in a container limited to 2 CPUs on a 64-core node it
@@ -47,6 +48,13 @@ class CpuBudget:
         """Threads for each of `workers` processes sharing the usable CPUs (at least 1): more only spin
         against each other (OpenMP's idle threads busy-wait)."""
         return max(1, self.usable // workers)
+
+    def trunk_threads(self, worker_threads: int) -> int:
+        """Torch threads for a CPU trunk beside encoder workers that hold `worker_threads` threads
+        on the same CPUs: the CPUs they leave, at least 1. A decode step is a chain of small ops:
+        threads past the CPUs wait at every parallel op for one the workers have preempted (on 2
+        CPUs, 2 trunk threads beside a 2-thread worker served a third of the requests 1 thread did)."""
+        return max(1, self.usable - worker_threads)
 
     def __str__(self) -> str:
         quota = "none" if self.quota is None else f"{self.quota:g} CPUs"

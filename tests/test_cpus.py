@@ -109,6 +109,12 @@ def test_without_a_memory_limit_or_a_cgroup_mount_the_physical_memory_counts(tmp
     assert usable_memory(root, _own(tmp_path, "0::/")) == PHYSICAL
 
 
+@pytest.mark.parametrize(("usable", "worker_threads", "trunk"),
+                         [(2, 2, 1), (2, 0, 2), (8, 2, 6), (16, 16, 1), (1, 4, 1)])
+def test_a_cpu_trunk_takes_the_cpus_the_encoder_workers_leave(usable, worker_threads, trunk):
+    assert CpuBudget(usable, None).trunk_threads(worker_threads) == trunk
+
+
 def test_the_cpu_trunks_default_kv_budget_is_a_share_of_the_usable_memory():
     """Not of the machine's: in a container with a memory limit that would be OOM-killed."""
     assert default_kv_cache_bytes(torch.device("cpu")) == int(usable_memory() * KV_MEMORY_FRACTION)

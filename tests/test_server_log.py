@@ -111,7 +111,10 @@ def test_json_log_makes_every_line_of_stdout_and_stderr_json(tmp_path):
     assert banner["logger"] == "kimi_vision" and "(health SERVING)" in banner["message"]
     messages = [r["message"] for r in records]
     budget = cpu_budget()
-    assert f"CPUs: {budget}; {budget.usable} torch threads in this process" in messages
+    assert f"CPUs: {budget}" in messages
+    # the trunk beside one CPU worker: the CPUs it leaves (OMP_NUM_THREADS, when set, decides instead)
+    trunk_threads = int(os.environ.get("OMP_NUM_THREADS", budget.trunk_threads(budget.per_worker(1))))
+    assert f"trunk: cpu, {trunk_threads} torch threads in this process" in messages
     assert f"encoder workers: cpu ({budget.per_worker(1)} torch/OpenCV threads each); {max(2, budget.usable)} " \
            "request threads" in messages
     assert any("CountTokens" in m for m in messages)  # the access line

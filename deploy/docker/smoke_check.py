@@ -93,17 +93,17 @@ def logs(cpus: str) -> None:
             fail(f"log line {number} is not JSON: {line[:300]!r}")
     print(f"ok: all {len(lines)} log lines (stdout and stderr) are JSON objects", flush=True)
     messages = "\n".join(r["message"] for r in records)
-    budget = re.search(r"^CPUs: (\d+) usable \(affinity (\d+) CPUs, cgroup quota (\S+) CPUs\); (\d+) torch threads",
-                       messages, re.M)
+    budget = re.search(r"^CPUs: (\d+) usable \(affinity (\d+) CPUs, cgroup quota (\S+) CPUs\)$", messages, re.M)
     pool = re.search(r"^encoder workers: (.*) \((\d+) torch/OpenCV threads each\)", messages, re.M)
-    if budget is None or pool is None:
-        fail("no start-up line says the CPUs and the threads")
-    usable, affinity, torch_threads = int(budget[1]), int(budget[2]), int(budget[4])
+    trunk = re.search(r"^trunk: cpu, (\d+) torch threads in this process$", messages, re.M)
+    if budget is None or pool is None or trunk is None:
+        fail("no start-up lines say the CPUs and the threads")
+    usable, affinity, torch_threads = int(budget[1]), int(budget[2]), int(trunk[1])
     workers, threads = len(pool[1].split(", ")), int(pool[2])
-    if float(budget[3]) != float(cpus) or usable != min(affinity, math.floor(float(cpus))) or torch_threads != usable \
-            or threads != max(1, usable // workers):
-        fail(f"the thread defaults do not follow the {cpus}-CPU quota: {budget[0]!r}, {pool[0]!r}")
-    print(f"ok: {budget[0]}; {pool[0]}", flush=True)
+    if float(budget[3]) != float(cpus) or usable != min(affinity, math.floor(float(cpus))) \
+            or threads != max(1, usable // workers) or torch_threads != max(1, usable - workers * threads):
+        fail(f"the thread defaults do not follow the {cpus}-CPU quota: {budget[0]!r}, {pool[0]!r}, {trunk[0]!r}")
+    print(f"ok: {budget[0]}; {pool[0]}; {trunk[0]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -192,12 +192,13 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
-    # This process runs the trunk: its torch threads too follow the CPUs it may use (torch's own
-    # default counts the affinity mask, not a container's quota), unless OMP_NUM_THREADS says.
+    # This process's torch threads follow the CPUs it may use (torch's own default counts the
+    # affinity mask, not a container's quota), unless OMP_NUM_THREADS says; a CPU trunk takes what
+    # the CPU encoder workers leave (Engine.load).
     cpus = cpu_budget()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpus.usable)
-    log.info("CPUs: %s; %d torch threads in this process", cpus, torch.get_num_threads())
+    log.info("CPUs: %s", cpus)
 
     def announce(server: VisionServer) -> None:
         ports = (("http", server.http_port), ("health", server.health_port), ("metrics", server.metrics_port))

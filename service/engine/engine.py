@@ -283,6 +283,10 @@ class Engine:
                 first = pool.devices[0]
                 device, dtype = (first, torch.bfloat16) if first.startswith("cuda") else ("cpu", torch.float32)
                 model = KimiLinearForCausalLM.from_checkpoint(directory, dtype=dtype, device=device)
+                if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                    cpu_workers = sum(d.startswith("cpu") for d in pool.devices)
+                    torch.set_num_threads(cpu_budget().trunk_threads(cpu_workers * pool.threads_per_worker))
+                log.info("trunk: %s, %d torch threads in this process", device, torch.get_num_threads())
             return cls(config, tokenizer, pool, model, metrics)
         except BaseException:  # a model that cannot load, or a configuration that cannot serve it
             pool.close()
