@@ -158,7 +158,7 @@ class GatedMLA(nn.Module):
                 start = caches[b].length
                 caches[b].append(keys)
                 keys = caches[b].latents(x.dtype)
-            attn[:, span] = self._expanded(q_nope[:, span], q_rope[:, span], keys[None], start)
+            attn[:, span] = self._expanded(q_nope[:, span], q_rope[:, span], keys[None], start, segments)
         gate = torch.sigmoid(self.g_proj(x).float()).view(1, N, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(1, N, H * self.v_dim).to(x.dtype))
 
@@ -174,7 +174,7 @@ class GatedMLA(nn.Module):
         o_lat = torch.einsum("bhts,bsc->bthc", torch.softmax(scores, dim=-1), c_all)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_kv[:, self.nope:].float())
 
-    def _expanded(self, q_nope, q_rope, latent, start: int) -> torch.Tensor:
+    def _expanded(self, q_nope, q_rope, latent, start: int, segments: Segments) -> torch.Tensor:
         """One sequence's T tokens (positions start .. start + T) through SDPA: `[1, T, H, v]`. A
         whole sequence (start 0) in one causal call; a chunk after a prefix QUERY_CHUNK queries at a
         time, each block with its own `[block, S]` mask (SDPA's `is_causal` aligns the diagonal to
@@ -194,12 +194,10 @@ class GatedMLA(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             out = q.new_empty(1, H, T, width)
-            key_pos = torch.arange(S, device=q.device)
             for first in range(0, T, QUERY_CHUNK):
                 last = min(T, first + QUERY_CHUNK)
                 seen = start + last  # no query of this block sees a key beyond this one
-                hidden = key_pos[None, :seen] > torch.arange(start + first, seen, device=q.device)[:, None]
-                mask = q.new_zeros(hidden.shape).masked_fill_(hidden, float("-inf"))  # additive: faster than bool
+                mask = segments.chunk_mask(start, first, last, q.dtype, q.device)  # additive: faster than bool
                 out[:, :, first:last] = F.scaled_dot_product_attention(
                     q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
         return out[..., :self.v_dim].transpose(1, 2)

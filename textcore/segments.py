@@ -36,6 +36,21 @@ class Segments:
         self.single_positions = torch.tensor([self.offsets[b] for b in self.singles], dtype=torch.long, device=device)
         self.single_starts = torch.tensor([past[b] for b in self.singles] if past is not None else [],
                                           dtype=torch.long, device=device)
+        self._chunk_masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+
+    def chunk_mask(self, start: int, first: int, last: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The additive mask `[last - first, start + last]` of a chunk's queries `first .. last`
+        (positions `start + first ..`, after `start` cached tokens) over the keys they may see:
+        made once per forward, for every MLA layer. Only the block's own keys lie in a query's
+        future, so past the zero fill just a `[block, block]` triangle is written."""
+        key = (start, first, last, dtype)
+        if key not in self._chunk_masks:
+            block = last - first
+            mask = torch.zeros(block, start + last, dtype=dtype, device=device)
+            mask[:, start + first:].masked_fill_(torch.ones(block, block, dtype=torch.bool, device=device).triu(1),
+                                                 float("-inf"))
+            self._chunk_masks[key] = mask
+        return self._chunk_masks[key]
 
     @property
     def total(self) -> int:
