@@ -197,7 +197,7 @@ class GatedMLA(nn.Module):
             for first in range(0, T, QUERY_CHUNK):
                 last = min(T, first + QUERY_CHUNK)
                 seen = start + last  # no query of this block sees a key beyond this one
-                mask = segments.chunk_mask(start, first, last, q.dtype, q.device)  # additive: faster than bool
+                mask = segments.chunk_mask(start, first, last, q.dtype)  # additive: faster than bool
                 out[:, :, first:last] = F.scaled_dot_product_attention(
                     q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
         return out[..., :self.v_dim].transpose(1, 2)

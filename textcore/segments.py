@@ -27,6 +27,7 @@ class Segments:
         if past is not None and len(past) != len(lengths):
             raise ValueError(f"{len(past)} cache lengths for {len(lengths)} sequences")
         self.lengths = list(lengths)
+        self.device = device
         self.offsets = [0, *itertools.accumulate(self.lengths)]
         self.cached = past is not None
         self.singles = [b for b, n in enumerate(self.lengths) if self.cached and n == 1]
@@ -38,7 +39,7 @@ class Segments:
                                           dtype=torch.long, device=device)
         self._chunk_masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
-    def chunk_mask(self, start: int, first: int, last: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def chunk_mask(self, start: int, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask `[last - first, start + last]` of a chunk's queries `first .. last`
         (positions `start + first ..`, after `start` cached tokens) over the keys they may see:
         made once per forward, for every MLA layer. Only the block's own keys lie in a query's
@@ -46,8 +47,8 @@ class Segments:
         key = (start, first, last, dtype)
         if key not in self._chunk_masks:
             block = last - first
-            mask = torch.zeros(block, start + last, dtype=dtype, device=device)
-            mask[:, start + first:].masked_fill_(torch.ones(block, block, dtype=torch.bool, device=device).triu(1),
+            mask = torch.zeros(block, start + last, dtype=dtype, device=self.device)
+            mask[:, start + first:].masked_fill_(torch.ones(block, block, dtype=torch.bool, device=self.device).triu(1),
                                                  float("-inf"))
             self._chunk_masks[key] = mask
         return self._chunk_masks[key]
