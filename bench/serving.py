@@ -2,7 +2,7 @@
 
     python -m bench.serving prefill    [--max-num-batched-tokens 16384] [--repeats 1]
     python -m bench.serving throughput [--clients 16] [--requests 4] [--max-tokens 32]
-    python -m bench.serving fairness   [--max-num-batched-tokens 64] [--streams 4] [--prompt-tokens 15000]
+    python -m bench.serving fairness   [--max-num-batched-tokens 512] [--streams 4] [--prompt-tokens 15000]
 
 Every part starts its own server(s) (`--devices cpu:1`, the embedded tiny checkpoint, greedy
 decoding) and stops them; the machine is shared, so compare the figures of one run.
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--max-tokens", type=int, default=32)
     t.add_argument("--rounds", type=int, default=2, help="alternated rounds of both configurations (best reported)")
     f = sub.add_parser("fairness")
-    f.add_argument("--max-num-batched-tokens", type=int, default=64)
+    f.add_argument("--max-num-batched-tokens", type=int, default=512)  # the server's default
     f.add_argument("--streams", type=int, default=4)
     f.add_argument("--prompt-tokens", type=int, default=15000)
     f.add_argument("--baseline-seconds", type=float, default=8.0)

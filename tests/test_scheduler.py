@@ -15,8 +15,9 @@ import weakref
 
 import pytest
 
+from service.engine import scheduler as scheduler_module
 from service.engine.engine import decodable_ids
-from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler
+from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler, chunk_cost, prefill_chunk
 from service.errors import BadRequest, TooLarge, Unavailable
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
@@ -140,6 +141,52 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_streams_run(scheduler_of, mo
     alone = generate(model, [long.ids], params=SamplingParams(max_new_tokens=3, ignore_eos=True),
                      allowed_ids=allowed)[0]
     assert late.tokens() == alone.tokens  # chunked prefill gives the tokens of the whole prompt at once
+
+
+@pytest.mark.parametrize("keys_per_token", [None, 1.0, 37.5, 965.3])
+def test_prefill_chunk_is_the_most_tokens_whose_work_fits(keys_per_token):
+    """Against a brute-force search: the chunk's cost fits the budget and one more token would not."""
+    for budget, past, remaining in itertools.product([0.5, 1, 7.3, 31, 508, 4096], [0, 1, 999, 15_000], [1, 40, 10**6]):
+        take = prefill_chunk(budget, past, remaining, keys_per_token)
+        fits = [n for n in range(min(remaining, int(budget)) + 1) if chunk_cost(n, past, keys_per_token) <= budget]
+        assert take == max(fits), (budget, past, remaining)
+    assert chunk_cost(3, 10, 4.0) == 3 + (10 + 11 + 12) / 4.0  # chunk token i attends to past + i keys
+    assert chunk_cost(3, 10, None) == 3
+
+
+def test_a_chunk_is_weighed_by_its_attention_while_others_decode(scheduler_of, model, tiny_tokenizer, allowed,
+                                                                 monkeypatch):
+    """The chunks a long prompt is prefilled in, as the real step passes them to the trunk: alone,
+    max_num_batched_tokens each; beside a running stream, the rest of the step weighed by
+    prefill_chunk with the model's keys_per_token, shrinking as the prefix grows."""
+    chunks: list[int] = []
+    real = scheduler_module.decode_step
+
+    def recording(model_, caches, tokens, space, prompt_chunks=()):
+        chunks.extend(len(c) for c in prompt_chunks)
+        return real(model_, caches, tokens, space, prompt_chunks)
+
+    monkeypatch.setattr(scheduler_module, "decode_step", recording)
+    long = _prompt(tiny_tokenizer, " ".join(TEXTS * 40))
+    n = len(long.ids)
+    scheduler = scheduler_of(max_num_batched_tokens=256)
+    _submit(scheduler, long, max_new_tokens=1)[1].wait()
+    assert chunks == [256] * (n // 256) + [n % 256] * (n % 256 > 0)
+
+    chunks.clear()
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, "Hi"), max_new_tokens=100_000, ignore_eos=True)
+    _wait_for(lambda: len(running.tokens()) >= 2, "the running stream's first tokens")
+    chunks.clear()  # the stream's own prompt
+    _, late = _submit(scheduler, long, max_new_tokens=3, ignore_eos=True)
+    late.wait()
+    expected, done = [], 0
+    while done < n:
+        expected.append(prefill_chunk(255, done, n - done, model.keys_per_token()))
+        done += expected[-1]
+    assert chunks == expected and expected[0] > 2 * expected[-1]
+    alone = generate(model, [long.ids], params=SamplingParams(max_new_tokens=3, ignore_eos=True),
+                     allowed_ids=allowed)[0]
+    assert late.tokens() == alone.tokens
 
 
 def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(scheduler_of, tiny_tokenizer):

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from textcore import mla, mxfp4
 from textcore.attnres import AttnResStream, depth_mix
@@ -128,6 +129,18 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         cache = mla.MLACache()
         chunks = [run(x[:, :130], cache), run(x[:, 130:131], cache), run(x[:, 131:], cache)]
         torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_keys_per_token_counts_the_multiply_adds_a_token_costs(model):
+    """Against torch's own count of a one-token forward's matmuls (exactly the top-k experts run
+    for one token): those, less the head's, are the weights' share keys_per_token divides."""
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(torch.tensor([[5]]), last_only=True)
+    cfg = model.cfg
+    weight_macs = counter.get_flop_counts()["Global"][torch.ops.aten.mm] // 2 - cfg.hidden_size * cfg.vocab_size
+    per_key = len(cfg.full_attn_layers) * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    assert model.keys_per_token() * per_key == pytest.approx(weight_macs, rel=1e-12)
 
 
 def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, monkeypatch):

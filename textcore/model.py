@@ -36,8 +36,8 @@ from textcore.attnres import AttnResStream
 from textcore.config import TextConfig
 from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
 from textcore.mla import GatedMLA, MLACache
-from textcore.moe import LatentMoE, SiTUMLP
-from textcore.mxfp4 import apply_quantization_config
+from textcore.moe import LatentMoE, Router, SiTUMLP
+from textcore.mxfp4 import MXFP4Linear, apply_quantization_config
 from textcore.segments import Segments
 from vision.checkpoint import Checkpoint, CheckpointError
 
@@ -162,6 +162,21 @@ class KimiLinearForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def keys_per_token(self) -> float:
+        """How many earlier keys a prompt token attends to for that attention to cost what its own
+        weights do: the multiply-adds of every projection and router once per token (a routed
+        expert's top-k share of its own; not the head, which a prefill runs at its last token only)
+        over those of one query-key pair in all MLA layers (q.k over the query/key width, p.v over
+        the value width, every head, the expanded form of a prompt). Tiny config: ~965; K3: ~139,700.
+        The scheduler weighs a prompt chunk's tokens by it while other sequences decode."""
+        cfg = self.cfg
+        routed_share = cfg.num_experts_per_token / cfg.num_experts
+        weights = sum(m.in_features * m.out_features * (routed_share if ".experts." in name else 1)
+                      for name, m in self.model.named_modules() if isinstance(m, nn.Linear | MXFP4Linear))
+        weights += sum(m.weight.numel() for m in self.model.modules() if isinstance(m, Router))
+        per_key = len(cfg.full_attn_layers) * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        return weights / per_key
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):

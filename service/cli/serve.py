@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sequence at a time); default 32")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
                         help="tokens per trunk step: one per running sequence, the rest for prefill chunks, so a "
-                             "long prompt is prefilled over several steps (>= --max-num-seqs); default 512")
+                             "long prompt is prefilled over several steps (while sequences run, a chunk token also "
+                             "counts the earlier tokens its attention reads) (>= --max-num-seqs); default 512")
     parser.add_argument("--kv-cache-memory-gb", type=positive_float, metavar="GB",
                         help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
                              "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "

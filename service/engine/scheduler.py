@@ -8,7 +8,10 @@ One thread owns the trunk and runs engine steps. Each step:
    batch stays within `max_num_seqs`; the first that does not fit waits, and so do those behind it;
 3. runs one forward (`textcore.generate.decode_step`): a token of every running sequence, and prefill
    chunks of the admitted prompts, oldest first, in the rest of the step's `max_num_batched_tokens`,
-   so a long prompt never stalls the running streams for its whole prefill. All of the step's
+   so a long prompt never stalls the running streams for its whole prefill. While sequences decode,
+   a chunk's tokens are weighed by their work (`prefill_chunk`): a token also pays for the earlier
+   keys its attention covers, so a step that carries a chunk late in a long prompt stays about as
+   long as one early in it, instead of growing with the prefix. All of the step's
    tokens go through the per-token layers together (the routed experts see them in one MoE call).
    The running sequences sample their next token; a prompt whose last chunk is in is forked into
    its n sequences, which sample their first token and run from the next step.
@@ -23,6 +26,7 @@ is refused when it is submitted; a step that fails ends the jobs in it, not thos
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -53,6 +57,29 @@ def default_kv_cache_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * KV_MEMORY_FRACTION)
     return int(usable_memory() * KV_MEMORY_FRACTION)
+
+
+def chunk_cost(tokens: int, past: int, keys_per_token: float | None) -> float:
+    """The work of a prompt chunk of `tokens` tokens after `past` prefilled ones, in tokens: each
+    one, plus (with `keys_per_token`) the `past + i` earlier keys chunk token i attends to, at
+    `keys_per_token` keys a token (`KimiLinearForCausalLM.keys_per_token`)."""
+    if keys_per_token is None:
+        return float(tokens)
+    return tokens + (tokens * past + tokens * (tokens - 1) / 2) / keys_per_token
+
+
+def prefill_chunk(budget: float, past: int, remaining: int, keys_per_token: float | None) -> int:
+    """The most of a prompt's `remaining` tokens (after `past` prefilled) whose `chunk_cost` fits in
+    `budget`: the root of the cost's quadratic, then checked against it."""
+    if keys_per_token is None:
+        take = int(budget)
+    else:
+        a, b = 1 / (2 * keys_per_token), 1 + (past - 0.5) / keys_per_token
+        take = int((math.sqrt(b * b + 4 * a * max(budget, 0.0)) - b) / (2 * a))
+    take = max(0, min(remaining, take))
+    while take and chunk_cost(take, past, keys_per_token) > budget:  # the float root's rounding
+        take -= 1
+    return take
 
 
 @dataclass(frozen=True)
@@ -208,6 +235,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.keys_per_token = model.keys_per_token()  # a chunk token's attention, weighed while others decode
         self.kv_cache_bytes = kv_cache_bytes
         self.latent_dtype = latent_dtype
         self.metrics = metrics
@@ -315,14 +343,18 @@ class Scheduler:
         self._drop_cancelled()
         self._admit()
         batch = self._running
-        budget = self.max_num_batched_tokens - len(batch)
+        budget: float = self.max_num_batched_tokens - len(batch)
+        keys_per_token = self.keys_per_token if batch else None  # alone, a chunk is bounded by its tokens
         chunks: list[tuple[_Prefill, int]] = []
         for prefill in self._prefilling:
-            if budget <= 0:
+            remaining = len(prefill.job.prompt.ids) - prefill.done
+            take = prefill_chunk(budget, prefill.done, remaining, keys_per_token)
+            if not chunks:
+                take = max(take, 1)  # the oldest prompt always moves on
+            if not take:
                 break
-            take = min(budget, len(prefill.job.prompt.ids) - prefill.done)
             chunks.append((prefill, take))
-            budget -= take
+            budget -= chunk_cost(take, prefill.done, keys_per_token)
         self.last_batch = len(batch)
         if batch or chunks:
             self._forward(batch, chunks)
