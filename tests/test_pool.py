@@ -97,11 +97,13 @@ def test_two_workers_equal_one_worker_and_in_process(tiny_checkpoint, pool2, ref
 
 def test_least_outstanding_patches_scheduling(pool2, reference):
     pids = [w["pid"] for w in pool2.health()["workers"]]
+    assert pool2.cpu_idle()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)  # freeze both so the queue state is observable
     try:
         big = submit(pool2, ITEMS[1])  # 1024 patches -> worker 0 (tie broken by index)
         small = [submit(pool2, ITEMS[i]) for i in (0, 2, 3)]  # all go to worker 1 (< 1024 patches)
+        assert not pool2.cpu_idle()  # what the CPU trunk's attention threads follow
         workers = pool2.health()["workers"]
         assert [w["outstanding_patches"] for w in workers] == [1024, 24 + 20 + 4]
         assert [w["inflight"] for w in workers] == [1, 2]  # at most MAX_INFLIGHT_PER_WORKER sent
@@ -113,6 +115,7 @@ def test_least_outstanding_patches_scheduling(pool2, reference):
     for f, i in zip(small, (0, 2, 3), strict=True):
         torch.testing.assert_close(f.result(30), reference[i], rtol=1e-5, atol=1e-5)
     assert [w["outstanding_patches"] for w in pool2.health()["workers"]] == [0, 0]
+    assert pool2.cpu_idle()
 
 
 def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2, reference):

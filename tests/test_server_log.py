@@ -115,6 +115,12 @@ def test_json_log_makes_every_line_of_stdout_and_stderr_json(tmp_path):
     # the trunk beside one CPU worker: the CPUs it leaves (OMP_NUM_THREADS, when set, decides instead)
     trunk_threads = int(os.environ.get("OMP_NUM_THREADS", budget.trunk_threads(budget.per_worker(1))))
     assert f"trunk: cpu, {trunk_threads} torch threads in this process" in messages
+    wide = [m for m in messages if m.startswith("trunk: a prompt's attention over many keys takes")]
+    if "OMP_NUM_THREADS" not in os.environ and budget.usable > trunk_threads:  # the CPUs the worker leaves idle
+        assert wide == [f"trunk: a prompt's attention over many keys takes {budget.usable} torch threads while "
+                        "the CPU encoder workers are idle"]
+    else:
+        assert wide == []
     assert f"encoder workers: cpu ({budget.per_worker(1)} torch/OpenCV threads each); {max(2, budget.usable)} " \
            "request threads" in messages
     assert any("CountTokens" in m for m in messages)  # the access line

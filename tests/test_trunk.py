@@ -131,6 +131,44 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_long_prompts_attention_runs_on_the_threads_it_is_given(monkeypatch):
+    """set_attention_threads: the SDPA calls of a prompt's attention of WIDE_ATTENTION_SCORES or
+    more (whole, or a chunk after a long prefix) run on the threads asked for, smaller ones and
+    every other op on the trunk's own, which come back after; the logits are the same."""
+    model = KimiLinearForCausalLM.random(tiny(), seed=SEED)
+    seen: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    own = torch.get_num_threads()
+    long = torch.randint(0, 1000, (1, 1060), generator=torch.Generator().manual_seed(5))
+    assert 4 * 750 * 751 / 2 >= mla.WIDE_ATTENTION_SCORES > 4 * 300 * 301 / 2
+    with torch.no_grad():
+        plain = model(long)
+        model.set_attention_threads(lambda: own + 1)
+        seen.clear()
+        wide = model(long)
+        assert seen == [own + 1] * 3 and torch.get_num_threads() == own  # the 3 MLA layers
+        torch.testing.assert_close(wide, plain, rtol=0, atol=0)
+        seen.clear()
+        model(long[:, :300])
+        assert seen == [own] * 3
+        cache = model.new_cache(1)
+        seen.clear()
+        model(long[:, :750], cache=cache)
+        model(long[:, 750:1050], cache=cache)  # 300 queries after 750 keys: 4 x 300 x 900.5 scores
+        model(long[:, 1050:], cache=cache)  # 10 after 1,050: 4 x 10 x 1,055.5, under it
+        assert seen == [own + 1] * (3 + 3 * 2) + [own] * 3  # the 300-query chunk in 2 blocks of QUERY_CHUNK
+        model.set_attention_threads(None)
+        seen.clear()
+        model(long)
+        assert seen == [own] * 3
+
+
 def test_keys_per_token_counts_the_multiply_adds_a_token_costs(model):
     """Against torch's own count of a one-token forward's matmuls (exactly the top-k experts run
     for one token): those, less the head's, are the weights' share keys_per_token divides."""

@@ -11,7 +11,9 @@ the per-token latent [c | k_rot] (kv_lora_rank + rope dims), one buffer per sequ
 (T > 1) is attended in the expanded form through `scaled_dot_product_attention` (flash kernels on
 CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cached prefix one block
 of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
-context: no `[H, T, S]` scores, no `[T, S]` mask. A decode step (T == 1) uses the absorbed
+context: no `[H, T, S]` scores, no `[T, S]` mask. On the CPU that attention, the trunk's one op
+of quadratic work, may take more torch threads than the rest (`GatedMLA.attention_threads`: the
+serving engine gives it the CPUs its encoder workers leave idle). A decode step (T == 1) uses the absorbed
 form: q_nope is folded through kv_b's key half into latent space and the latent output through its
 value half, so nothing is expanded; the decode tokens of a batch's sequences (`textcore.segments`)
 attend together over the longest one's latents, each row masked to its own length.
@@ -19,7 +21,9 @@ attend together over the longest one's latents, each row masked to its own lengt
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,10 @@ FP8_SCALE = 1.0  # the checkpoint ships no KV scales (kv_cache_scheme null)
 _warned_fp8 = False
 # Queries of a chunk after a cached prefix attended at once: each block's mask is [QUERY_CHUNK, S]
 QUERY_CHUNK = 256
+# Query-key scores (all heads) a prompt's attention must reach before it may run on more threads than
+# the rest of the trunk (`GatedMLA.attention_threads`): ~1 ms of work on one CPU thread, far more
+# than waking the others costs. The trunk's other ops are too small to gain from them.
+WIDE_ATTENTION_SCORES = 1 << 20
 
 
 def _warn_fp8_once() -> None:
@@ -131,6 +139,9 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = lin(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.g_proj = lin(hidden, H * cfg.v_head_dim)  # sigmoid output gate
         self.o_proj = lin(H * cfg.v_head_dim, hidden)
+        # torch threads for a prompt's attention of WIDE_ATTENTION_SCORES or more, asked at each one
+        # (`KimiLinearForCausalLM.set_attention_threads`); None: the trunk's own
+        self.attention_threads: Callable[[], int] | None = None
 
     def forward(self, x: torch.Tensor, segments: Segments, caches: list[MLACache] | None = None) -> torch.Tensor:
         """x `[1, N, hidden]`: the new tokens of `segments`' sequences end to end, which continue
@@ -190,14 +201,30 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1).float().transpose(1, 2)  # [1, H, T, width]
         k = torch.cat([k_nope, k_rot_all[:, :, None].expand(1, S, H, self.rope)], dim=-1).float().transpose(1, 2)
         v = F.pad(v.float(), (0, width - self.v_dim)).transpose(1, 2)
-        if start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            out = q.new_empty(1, H, T, width)
-            for first in range(0, T, QUERY_CHUNK):
-                last = min(T, first + QUERY_CHUNK)
-                seen = start + last  # no query of this block sees a key beyond this one
-                mask = segments.chunk_mask(start, first, last, q.dtype)  # additive: faster than bool
-                out[:, :, first:last] = F.scaled_dot_product_attention(
-                    q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
+        with self._threads(H * T * (start + (T + 1) / 2)):
+            if start == 0:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                out = q.new_empty(1, H, T, width)
+                for first in range(0, T, QUERY_CHUNK):
+                    last = min(T, first + QUERY_CHUNK)
+                    seen = start + last  # no query of this block sees a key beyond this one
+                    mask = segments.chunk_mask(start, first, last, q.dtype)  # additive: faster than bool
+                    out[:, :, first:last] = F.scaled_dot_product_attention(
+                        q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask, scale=self.scale)
         return out[..., :self.v_dim].transpose(1, 2)
+
+    @contextlib.contextmanager
+    def _threads(self, scores: float) -> Iterator[None]:
+        """Run the block on `attention_threads()` torch threads when it computes `scores` query-key
+        scores or more, then go back to the trunk's own count."""
+        own = torch.get_num_threads()
+        wide = self.attention_threads() if self.attention_threads and scores >= WIDE_ATTENTION_SCORES else own
+        if wide == own:
+            yield
+            return
+        torch.set_num_threads(wide)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(own)

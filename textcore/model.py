@@ -27,7 +27,7 @@ layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -162,6 +162,14 @@ class KimiLinearForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def set_attention_threads(self, threads: Callable[[], int] | None) -> None:
+        """Let a prompt's attention over many keys (`textcore.mla.WIDE_ATTENTION_SCORES`), the one op
+        of the trunk big enough to gain from more torch threads, run on `threads()` of them, asked
+        at each such op; None: on the trunk's own."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, GatedMLA):
+                layer.self_attn.attention_threads = threads
 
     def keys_per_token(self) -> float:
         """How many earlier keys a prompt token attends to for that attention to cost what its own

@@ -285,7 +285,15 @@ class Engine:
                 model = KimiLinearForCausalLM.from_checkpoint(directory, dtype=dtype, device=device)
                 if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
                     cpu_workers = sum(d.startswith("cpu") for d in pool.devices)
-                    torch.set_num_threads(cpu_budget().trunk_threads(cpu_workers * pool.threads_per_worker))
+                    budget = cpu_budget()
+                    trunk_threads = budget.trunk_threads(cpu_workers * pool.threads_per_worker)
+                    torch.set_num_threads(trunk_threads)
+                    if budget.usable > trunk_threads:
+                        # a prompt's attention (quadratic work in one op) takes every CPU while the
+                        # workers have nothing to encode; the small ops stay on the trunk's own
+                        model.set_attention_threads(lambda: budget.usable if pool.cpu_idle() else trunk_threads)
+                        log.info("trunk: a prompt's attention over many keys takes %d torch threads while the "
+                                 "CPU encoder workers are idle", budget.usable)
                 log.info("trunk: %s, %d torch threads in this process", device, torch.get_num_threads())
             return cls(config, tokenizer, pool, model, metrics)
         except BaseException:  # a model that cannot load, or a configuration that cannot serve it

@@ -261,6 +261,11 @@ class EncoderPool:
         request.future.add_done_callback(lambda _: self._forget_if_cancelled(request))
         return request.future
 
+    def cpu_idle(self) -> bool:
+        """No CPU worker has an image waiting or in work. Read without the lock: a hint for sharing
+        the CPUs (an image sent a moment later is not seen)."""
+        return not any(s.outstanding for s in self._slots if s.device.startswith("cpu"))
+
     def health(self) -> dict[str, Any]:
         """Per-worker state, for health checks and metrics."""
         with self._lock:
