@@ -13,10 +13,11 @@ CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cache
 of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
 context: no `[H, T, S]` scores, no `[T, S]` mask. On the CPU that attention, the trunk's one op
 of quadratic work, may take more torch threads than the rest (`GatedMLA.attention_threads`: the
-serving engine gives it the CPUs its encoder workers leave idle). A decode step (T == 1) uses the absorbed
-form: q_nope is folded through kv_b's key half into latent space and the latent output through its
-value half, so nothing is expanded; the decode tokens of a batch's sequences (`textcore.segments`)
-attend together over the longest one's latents, each row masked to its own length.
+serving engine gives it the CPUs its encoder workers leave idle). A decode step (T == 1) uses the
+absorbed form: q_nope is folded through kv_b's key half into latent space and the latent output
+through its value half, so nothing is expanded; the decode tokens of a batch's sequences
+(`textcore.segments`) attend together over the longest one's latents, each row masked to its own
+length.
 """
 
 from __future__ import annotations
