@@ -28,6 +28,7 @@ import torch
 from bench.batch import cpu_seconds
 from bench.gpu_tower import build
 from bench.preprocess import make_class
+from service.engine import MediaInput
 from service.engine.pool import EncoderPool
 from vision import ImageOptions, plan_image, preprocess_image
 from vision.checkpoint import write_checkpoint
@@ -67,6 +68,7 @@ def main() -> int:
         return 2
     data = make_class("12mp")
     plan = plan_image(data, options)
+    item = MediaInput(data, options=options)
     check_device_patches(data, options, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, {args.preset} tower + projector; 12 MP JPEG ({len(data) / 1e6:.1f} MB, "
@@ -79,13 +81,13 @@ def main() -> int:
         checkpoint = write_vision_checkpoint(Path(tmp) / "vision", device, args.preset)
         for patchify in ("device", "host"):
             with EncoderPool(checkpoint, [str(device)], patchify=patchify) as pool:
-                rows[patchify] = pool.submit(data, options, plan).result()  # warm-up
+                rows[patchify] = pool.submit(item, plan).result()  # warm-up
                 pids = [w["pid"] for w in pool.health()["workers"]]
                 worker, parent = cpu_seconds(pids), time.process_time()
                 rates = []
                 for _ in range(args.repeats):
                     start = time.perf_counter()
-                    futures = [pool.submit(data, options, plan) for _ in range(args.images)]
+                    futures = [pool.submit(item, plan) for _ in range(args.images)]
                     for future in futures:
                         future.result()
                     rates.append(args.images / (time.perf_counter() - start))

@@ -38,28 +38,37 @@ class Kind(StrEnum):
     UNAVAILABLE = "unavailable"  # warming up, draining, a worker died: retry here or elsewhere
     DEADLINE = "deadline"  # the caller's deadline passed
     CANCELLED = "cancelled"  # the caller went away
+    SLOW_CLIENT = "slow_client"  # the caller did not send its request (head or body) in time
+    HEADERS_TOO_LARGE = "headers_too_large"  # an HTTP request line and headers over the limit
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # an HTTP method the route does not serve
     INTERNAL = "internal"  # a fault of the server: retry later, report if it stays
 
 
 class Rule(NamedTuple):
     grpc: grpc.StatusCode
     http: int
+    openai_type: str  # the `type` of OpenAI's error object
     retry: bool  # a batch job retries the item (and --resume runs it again) rather than record it
     stops: bool = False  # a batch job stops at once, with the message (no row: a resume runs the line again)
+    closes: bool = False  # an HTTP answer closes the connection (what else the client sent is not a request)
 
 
+_INVALID = "invalid_request_error"
 RULES: dict[Kind, Rule] = {
-    Kind.BAD_INPUT: Rule(grpc.StatusCode.INVALID_ARGUMENT, 400, False),
-    Kind.TOO_LARGE: Rule(grpc.StatusCode.INVALID_ARGUMENT, 413, False),
-    Kind.UNSUPPORTED: Rule(grpc.StatusCode.UNIMPLEMENTED, 400, False),
-    Kind.NOT_CONFIGURED: Rule(grpc.StatusCode.FAILED_PRECONDITION, 400, False),
-    Kind.NOT_FOUND: Rule(grpc.StatusCode.NOT_FOUND, 404, False),
-    Kind.UNAUTHENTICATED: Rule(grpc.StatusCode.UNAUTHENTICATED, 401, False, stops=True),
-    Kind.OVERLOADED: Rule(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
-    Kind.UNAVAILABLE: Rule(grpc.StatusCode.UNAVAILABLE, 503, True),
-    Kind.DEADLINE: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
-    Kind.CANCELLED: Rule(grpc.StatusCode.CANCELLED, 499, True),
-    Kind.INTERNAL: Rule(grpc.StatusCode.INTERNAL, 500, True),
+    Kind.BAD_INPUT: Rule(grpc.StatusCode.INVALID_ARGUMENT, 400, _INVALID, False),
+    Kind.TOO_LARGE: Rule(grpc.StatusCode.INVALID_ARGUMENT, 413, _INVALID, False),
+    Kind.UNSUPPORTED: Rule(grpc.StatusCode.UNIMPLEMENTED, 400, _INVALID, False),
+    Kind.NOT_CONFIGURED: Rule(grpc.StatusCode.FAILED_PRECONDITION, 400, _INVALID, False),
+    Kind.NOT_FOUND: Rule(grpc.StatusCode.NOT_FOUND, 404, _INVALID, False),
+    Kind.UNAUTHENTICATED: Rule(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", False, stops=True),
+    Kind.OVERLOADED: Rule(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", True),
+    Kind.UNAVAILABLE: Rule(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error", True),
+    Kind.DEADLINE: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error", True),
+    Kind.CANCELLED: Rule(grpc.StatusCode.CANCELLED, 499, "cancelled_error", True),
+    Kind.SLOW_CLIENT: Rule(grpc.StatusCode.DEADLINE_EXCEEDED, 408, "timeout_error", True, closes=True),
+    Kind.HEADERS_TOO_LARGE: Rule(grpc.StatusCode.INVALID_ARGUMENT, 431, _INVALID, False, closes=True),
+    Kind.METHOD_NOT_ALLOWED: Rule(grpc.StatusCode.UNIMPLEMENTED, 405, _INVALID, False),
+    Kind.INTERNAL: Rule(grpc.StatusCode.INTERNAL, 500, "server_error", True),
 }
 
 # What a client reads before a domain error's own message, by the error's family (first match).
@@ -132,6 +141,20 @@ class ClientGone(ServiceError):
     """The caller went away before the answer (an HTTP client closed its connection)."""
 
     kind = Kind.CANCELLED
+
+
+class SlowClient(ServiceError):
+    """The caller did not send its request line and headers, or its body, within the timeout."""
+
+    kind = Kind.SLOW_CLIENT
+
+
+class HeadersTooLarge(ServiceError):
+    kind = Kind.HEADERS_TOO_LARGE
+
+
+class MethodNotAllowed(ServiceError):
+    kind = Kind.METHOD_NOT_ALLOWED
 
 
 class Failure(NamedTuple):

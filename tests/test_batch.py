@@ -625,7 +625,7 @@ def test_a_flag_out_of_its_range_is_a_usage_error(flag, value, problem, capsys):
 def test_the_remote_image_flags_default_to_the_fetchers_defaults(command):
     """cli/common writes the defaults out (its --help stays light): they must stay those of service.openai.images."""
     from service.cli.main import build_parser
-    from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+    from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
 
     argv = [command] + (["--task", "caption", "--input", "in", "--output", "out.jsonl"] if command == "batch" else [])
     args = build_parser(argv).parse_args(argv)

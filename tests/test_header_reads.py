@@ -21,7 +21,7 @@ import torch.multiprocessing as tmp
 from images import png
 
 import vision.decode
-from service.engine import ChatInput, Engine, EngineConfig, ImageInput
+from service.engine import Engine, EngineConfig, ImageInput
 from service.engine.worker import ImageEncoder, pack_bytes, serve, unpack_bytes, unpack_rows
 from tests.conftest import REPO_ROOT
 from vision import DEFAULT_LIMITS, DEFAULT_OPTIONS, ImageDecodeError, ImageOptions, plan_image, preprocess_image
@@ -151,11 +151,9 @@ async def test_an_image_a_worker_refuses_is_named_and_counted_once(engine):
         return value or 0.0
 
     for data, error in ((truncated, here.value), (not_an_image, header.value)):
-        chat = ChatInput([{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"}]}],
-                         images=[ImageInput(data)])
         before = refused()
         with pytest.raises(ImageDecodeError) as info:
-            await engine.embed(chat.images)
+            await engine.embed([ImageInput(data, where="messages[0].content[1]")])
         assert type(info.value) is type(error)
         assert str(info.value) == f"messages[0].content[1]: {error}"
         assert refused() == before + 1

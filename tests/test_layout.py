@@ -64,3 +64,56 @@ def test_the_two_server_faces_are_peers_under_the_serving_process():
 
 def test_faces_reach_the_model_only_through_the_engine():
     assert _offenders(FACES, MODEL_PARTS) == []
+
+
+def test_the_epd_transports_sit_beside_the_faces():
+    """`service.epd` takes encodings from the engine and delivers them; the engine never imports
+    it (it returns encodings and writes nothing), and it imports no face."""
+    assert _offenders(("service/engine",), ("service.epd",)) == []
+    assert _offenders(("service/epd",), ("service.rpc", "service.http", "service.openai", "service.batch",
+                                         "service.cli", "service.server")) == []
+    assert _offenders(FACES, ("service.engine.vllm", "service.http.sglang_wire")) == []
+
+
+def test_the_grpc_face_needs_nothing_of_the_openai_or_http_faces():
+    """The rules every face shares (JSON depth, the media fetcher, the image-part rule) are neutral
+    modules; the gRPC face imports neither the OpenAI parser nor the HTTP face."""
+    assert _offenders(("service/rpc",), ("service.openai", "service.http")) == []
+    neutral = ("service/jsontext.py", "service/media.py", "service/fetch.py")
+    assert _offenders(neutral, ("service.rpc", "service.http", "service.openai", "service.batch",
+                                "service.server", "service.epd")) == []
+
+
+def test_the_service_imports_have_no_cycles():
+    """Between the service's modules, at module level (a function's own import is deferred)."""
+    graph: dict[str, set[str]] = {}
+    for path in _modules("service"):
+        name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text(), str(path))
+        targets = set()
+        for node in tree.body:  # module level only; TYPE_CHECKING blocks are not imports at run time
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+        graph[name] = {t for t in targets if t.startswith("service")}
+    # A package's __init__ importing its own submodules is the package, not a cycle.
+    def edges(module: str) -> set[str]:
+        return {t for t in graph.get(module, ()) if t in graph and not t.startswith(module + ".")}
+
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in edges(module):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*trail[trail.index(target):], target]) if target in trail else target)
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []

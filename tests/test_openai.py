@@ -19,8 +19,10 @@ from service.batch.inputs import load_items
 from service.batch.spec import JobSpec
 from service.engine import ChatInput, Choice, GenerationResult, Logprobs, TokenLogprob
 from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported, classify
-from service.openai.images import ImageFetcher, _CheckedBackend, refused_address
-from service.openai.request import MAX_JSON_DEPTH, TEMPLATE, ImagePart, parse_chat_request, parse_json
+from service.fetch import MediaFetcher, _CheckedBackend, refused_address
+from service.jsontext import MAX_JSON_DEPTH, parse_json
+from service.media import MediaRef, image_url
+from service.openai.request import TEMPLATE, parse_chat_request
 from service.openai.response import Reply, chunk, completion, error_body, logprobs_entry
 from service.rpc.convert import event
 from textcore import parser as p
@@ -43,17 +45,31 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
                                        presence_penalty=0, stream=True, stream_options={"include_usage": True},
                                        reasoning_effort="low", chat_template_kwargs={"thinking": False}))
     content = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
-    assert request.messages == [{"role": "user", "content": content}]
-    assert request.images == [ImagePart(DATA_URL, "messages[0].content[0]")]
-    assert (request.model, request.max_tokens, request.stream, request.include_usage) == ("m", 7, True, True)
-    assert request.sampling == {"temperature": 0.5, "top_p": 0.9, "seed": 3, "n": 1, "presence_penalty": 0.0}
-    assert request.chat_kwargs == {"reasoning_effort": "low", "thinking": False}
-    chat = request.chat_input([PNG])
-    assert chat.images[0].data == PNG and chat.images[0].where == "messages[0].content[0]"
-    assert parse_chat_request(_body(max_tokens=2)).max_tokens == 2  # the older name
+    assert request.chat.messages == [{"role": "user", "content": content}]
+    assert request.media == [MediaRef(DATA_URL, "messages[0].content[0]")]
+    assert (request.model, request.params.max_new_tokens, request.stream, request.include_usage) == ("m", 7, True, True)
+    assert request.params == SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, n=1)
+    assert request.chat.kwargs == {"reasoning_effort": "low", "thinking": False}
+    item = request.media[0].input(PNG)
+    assert item.data == PNG and item.where == "messages[0].content[0]"
+    assert parse_chat_request(_body(max_tokens=2)).params.max_new_tokens == 2  # the older name
     part = {"type": "image_url", "image_url": {"url": DATA_URL}, "uuid": "client-7"}
     uuid_request = parse_chat_request({"messages": [{"role": "user", "content": [part]}]})
-    assert uuid_request.chat_input([PNG]).images[0].uuid == "client-7"
+    assert uuid_request.media[0].input(PNG).uuid == "client-7"
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high", None])
+def test_an_image_part_takes_openais_detail_which_changes_nothing(detail):
+    """The one image-part rule: `detail` is accepted (K3's processor has one preprocessing), any
+    other field is refused by name, on the chat route as on SGLang's `/encode`."""
+    spec = {"url": DATA_URL, "detail": detail}
+    part = {"type": "image_url", "image_url": spec}
+    request = parse_chat_request({"messages": [{"role": "user", "content": [part]}]})
+    assert request.media == [MediaRef(DATA_URL, "messages[0].content[0]")]
+    with pytest.raises(BadRequest, match="detail must be one of"):
+        image_url({"url": DATA_URL, "detail": "ultra"}, "x")
+    with pytest.raises(Unsupported, match=r"\['resize'\] are not supported"):
+        image_url({"url": DATA_URL, "resize": "fast"}, "x")
 
 
 def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
@@ -63,14 +79,12 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     body = _body(stop="END", n=3, logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
                  repetition_penalty=1.2, min_tokens=2, ignore_eos=True, logit_bias={"17": 5, "3": -100.0},
                  stop_token_ids=[163585], skip_special_tokens=False, temperature=0.7, seed=9)
-    sampling = parse_chat_request(body).sampling
-    assert sampling == {"stop": ["END"], "n": 3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
-                        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
-                        "logit_bias": {17: 5.0, 3: -100.0}, "stop_token_ids": [163585],
-                        "skip_special_tokens": False, "temperature": 0.7, "seed": 9}
-    params = SamplingParams(**sampling)
-    assert params.stop == ("END",) and params.logit_bias == {17: 5.0, 3: -100.0} and params.n == 3
-    assert parse_chat_request(_body(stop=["a", "b"])).sampling["stop"] == ["a", "b"]
+    params = parse_chat_request(body).params
+    assert params == SamplingParams(max_new_tokens=None, stop=("END",), n=3, logprobs=True, top_logprobs=2,
+                                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2,
+                                    ignore_eos=True, logit_bias={17: 5.0, 3: -100.0}, stop_token_ids=(163585,),
+                                    skip_special_tokens=False, temperature=0.7, seed=9)
+    assert parse_chat_request(_body(stop=["a", "b"])).params.stop == ("a", "b")
 
 
 @pytest.mark.parametrize(("extra", "error", "words"), [
@@ -106,7 +120,7 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
     with pytest.raises(error, match=words):
         parse_chat_request(_body(**extra))
-    assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).max_tokens is None
+    assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).params.max_new_tokens is None
     with pytest.raises(Unsupported, match=r"unsupported parameter\(s\) \['best_of'\]"):
         parse_chat_request(_body(best_of=2))
 
@@ -118,8 +132,7 @@ def test_chat_template_kwargs_carry_every_option_the_template_takes():
     options = {"tool_choice": "none", "response_format": {"type": "json_schema"}, "response_schema": {"type": "object"},
                "thinking_effort": "low", "add_generation_prompt": True}
     request = parse_chat_request(_body(reasoning_effort="high", chat_template_kwargs=options))
-    assert request.chat_kwargs == {"reasoning_effort": "high", **options}
-    assert request.chat_input([PNG]).kwargs == request.chat_kwargs
+    assert request.chat.kwargs == {"reasoning_effort": "high", **options}
     for key in ("image_prompts", "secret"):  # image_prompts is the engine's own
         with pytest.raises(ChatError, match=rf"unknown chat option\(s\) \['{key}'\]; allowed: "
                                             r"\['add_generation_prompt', 'thinking', ") as refused:
@@ -148,7 +161,7 @@ def test_malformed_messages_name_the_field():
     for messages, words in [([], "messages must be a non-empty list"),
                             ([{"content": "x"}], r"messages\[0\] must be an object with a string role"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}],
-                             r"messages\[0\].content\[0\]: image_url.url"),
+                             r"messages\[0\].content\[0\].image_url: an image's url"),
                             ([{"role": "user", "content": [{"type": "input_audio"}]}], "input_audio parts"),
                             ([{"role": "user", "content": 5}], "content must be a string or a list")]:
         with pytest.raises((BadRequest, Unsupported), match=words):
@@ -161,21 +174,21 @@ def web():
         yield upstream
 
 
-def _fetch(fetcher: ImageFetcher, url: str) -> bytes:
-    return asyncio.run(fetcher.fetch(ImagePart(url, "messages[0].content[0]")))
+def _fetch(fetcher: MediaFetcher, url: str) -> bytes:
+    return asyncio.run(fetcher.fetch(MediaRef(url, "messages[0].content[0]")))
 
 
-def _fetch_all(fetcher: ImageFetcher, *urls: str) -> list[bytes]:
-    return asyncio.run(fetcher.fetch_all([ImagePart(url, f"messages[0].content[{i}]") for i, url in enumerate(urls)]))
+def _fetch_all(fetcher: MediaFetcher, *urls: str) -> list[bytes]:
+    return asyncio.run(fetcher.fetch_all([MediaRef(url, f"messages[0].content[{i}]") for i, url in enumerate(urls)]))
 
 
 LOOPBACK = ("127.0.0.1",)  # how tests allow their own upstream (--allowed-media-domains 127.0.0.1)
 
 
 def test_remote_images_only_when_allowed_with_limits(web):
-    assert classify(_raises(ImageFetcher(max_bytes=1 << 20), web.url("/image.png"))).message.endswith(
+    assert classify(_raises(MediaFetcher(max_bytes=1 << 20), web.url("/image.png"))).message.endswith(
         "send the image as a data: URL")
-    fetcher = ImageFetcher(max_bytes=len(PNG) * 10, allow_remote=True, timeout_s=1.0, max_redirects=2,
+    fetcher = MediaFetcher(max_bytes=len(PNG) * 10, allow_remote=True, timeout_s=1.0, max_redirects=2,
                            allowed_domains=LOOPBACK)
     assert _fetch(fetcher, web.url("/image.png")) == PNG
     assert _fetch(fetcher, web.url("/hop")) == PNG  # one redirect is fine
@@ -193,7 +206,7 @@ def test_remote_images_only_when_allowed_with_limits(web):
 
 def test_a_redirect_hop_is_checked_like_the_first_url(web):
     """Out of http(s), or to a host the rules do not fetch: bad input, not a retryable failure."""
-    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=LOOPBACK)
+    fetcher = MediaFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=LOOPBACK)
     before = web.hits["/image.png"]
     for target, words in (("file:///etc/passwd", "redirected to a file: URL"), ("ftp://host/x.png", "a ftp: URL"),
                           (web.url("/image.png", host="localhost"), "allowed domains ['127.0.0.1']; this one is "
@@ -222,7 +235,7 @@ def test_hosts_are_resolved_and_refused_before_any_connection(web):
     """Without an allow list only public hosts are fetched: an IP literal, a name (resolved here),
     an IPv4-mapped IPv6 literal of loopback, all refused with the same words, and nothing reaches
     the upstream, so a caller learns nothing of what listens there."""
-    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True)
+    fetcher = MediaFetcher(max_bytes=1 << 20, allow_remote=True)
     before = sum(web.hits.values())
     for host in ("127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "2130706433"):
         exc = _raises(fetcher, web.url("/image.png", host=host))
@@ -245,13 +258,13 @@ def test_the_connection_goes_to_the_address_that_was_checked(web):
 
     peer, resolved = asyncio.run(connect())
     assert peer in resolved
-    trusting = ImageFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=("localhost",))
+    trusting = MediaFetcher(max_bytes=1 << 20, allow_remote=True, allowed_domains=("localhost",))
     assert _fetch(trusting, web.url("/image.png", host="localhost")) == PNG
     assert web.hosts[-1] == f"localhost:{web.port}"
 
 
 def test_a_requests_images_are_fetched_at_once_within_one_deadline(web):
-    fetcher = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK)
+    fetcher = MediaFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK)
     start = time.monotonic()
     assert _fetch_all(fetcher, *[web.url("/drip/1")] * 4, DATA_URL) == [PNG] * 5
     assert time.monotonic() - start < 2.5  # four 1-s transfers side by side, not one after another
@@ -259,25 +272,25 @@ def test_a_requests_images_are_fetched_at_once_within_one_deadline(web):
     exc = _raises_all(fetcher, web.url("/drip/4"), web.url("/status/404"))
     assert isinstance(exc, BadRequest) and "messages[0].content[1]" in str(exc) and "HTTP 404" in str(exc)
     assert time.monotonic() - start < 2  # the first failure ends the request: the slow one is stopped
-    bounded = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK,
+    bounded = MediaFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=5, allowed_domains=LOOPBACK,
                            concurrency=2)
     start = time.monotonic()
     assert _fetch_all(bounded, *[web.url("/drip/1")] * 4) == [PNG] * 4
     assert time.monotonic() - start >= 1.9  # at most two at once
-    late = ImageFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=1.5, allowed_domains=LOOPBACK)
+    late = MediaFetcher(max_bytes=1 << 20, allow_remote=True, timeout_s=1.5, allowed_domains=LOOPBACK)
     start = time.monotonic()
     exc = _raises_all(late, web.url("/drip/1"), web.url("/drip/4"))  # every read is quick; the transfer is not
     assert isinstance(exc, Unavailable) and "within 1.5 s" in str(exc)
     assert 1.4 < time.monotonic() - start < 3
 
 
-def _raises_all(fetcher: ImageFetcher, *urls: str) -> Exception:
+def _raises_all(fetcher: MediaFetcher, *urls: str) -> Exception:
     with pytest.raises(Exception) as info:
         _fetch_all(fetcher, *urls)
     return info.value
 
 
-def _raises(fetcher: ImageFetcher, url: str) -> Exception:
+def _raises(fetcher: MediaFetcher, url: str) -> Exception:
     with pytest.raises(Exception) as info:
         _fetch(fetcher, url)
     return info.value
@@ -285,14 +298,14 @@ def _raises(fetcher: ImageFetcher, url: str) -> Exception:
 
 def test_data_urls_always_local_files_only_with_a_base_dir(tmp_path):
     (tmp_path / "a.png").write_bytes(PNG)
-    plain = ImageFetcher(max_bytes=1 << 20)
+    plain = MediaFetcher(max_bytes=1 << 20)
     assert _fetch(plain, DATA_URL) == PNG
     assert "does not read local files" in str(_raises(plain, "a.png"))
-    batch = ImageFetcher(max_bytes=1 << 20, base_dir=tmp_path)
+    batch = MediaFetcher(max_bytes=1 << 20, base_dir=tmp_path)
     assert _fetch(batch, "a.png") == PNG == _fetch(batch, f"file://{tmp_path / 'a.png'}")
     assert "no such file" in str(_raises(batch, "b.png"))
     assert "not valid base64" in str(_raises(plain, "data:image/png;base64,@@@"))
-    assert isinstance(_raises(ImageFetcher(max_bytes=10), DATA_URL), TooLarge)
+    assert isinstance(_raises(MediaFetcher(max_bytes=10), DATA_URL), TooLarge)
     assert "scheme 'ftp'" in str(_raises(batch, "ftp://host/x.png"))
 
 
@@ -413,7 +426,7 @@ def test_the_rules_openai_states_beyond_the_shapes():
                           "response_format.json_schema.name must be 1 to 64")):
         with pytest.raises(BadRequest, match=re.escape(words)):
             parse_chat_request({"messages": message, **extra})
-    assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat_kwargs == {"tool_choice": "none"}
+    assert parse_chat_request({"messages": message, "tool_choice": "none"}).chat.kwargs == {"tool_choice": "none"}
 
 
 _TOKENS = {7: "A", 8: "B", 9: "é"}  # token id -> text

@@ -27,6 +27,7 @@ from service.engine import Engine, EngineConfig
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, user
 from service.server import ServerConfig, ServerThread
+from textcore.generate import SamplingParams
 from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -219,7 +220,7 @@ def test_a_request_over_the_kv_budget_is_too_large_and_one_that_fits_waits(base,
     main = base.engine
     probe = main.scheduler
     prompt_tokens = _complete_tokens(base)
-    one = probe.worst_case_bytes(prompt_tokens, main.sampling(64))
+    one = probe.worst_case_bytes(prompt_tokens, SamplingParams(max_new_tokens=64))
     # A model length that one such generation fills (one sequence of it must fit the budget, as vLLM checks).
     handle, engine = _writer(base, tiny_checkpoint, ServerConfig(port=0, http_port=0), kv_cache_bytes=one + one // 2,
                              max_model_len=prompt_tokens + 64)

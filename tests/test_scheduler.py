@@ -16,8 +16,9 @@ import weakref
 import pytest
 
 from service.engine import scheduler as scheduler_module
-from service.engine.engine import decodable_ids
-from service.engine.scheduler import GenerationResult, Job, Logprobs, Prompt, Scheduler, chunk_cost, prefill_chunk
+from service.engine.inputs import Prompt
+from service.engine.loading import decodable_ids
+from service.engine.scheduler import Generation, GenerationResult, Logprobs, Scheduler, chunk_cost, prefill_chunk
 from service.errors import BadRequest, TooLarge, Unavailable
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
@@ -84,12 +85,12 @@ class Collector:
 
 
 def _prompt(tiny_tokenizer, text: str) -> Prompt:
-    return Prompt([163584, *tiny_tokenizer.encode(text)], [], [], thinking=False)
+    return Prompt([163584, *tiny_tokenizer.encode(text)], [], thinking=False)
 
 
-def _submit(scheduler, prompt, **params) -> tuple[Job, Collector]:
+def _submit(scheduler, prompt, **params) -> tuple[Generation, Collector]:
     collector = Collector()
-    job = Job(prompt, SamplingParams(logprobs=True, **params), collector)
+    job = Generation(prompt, [], SamplingParams(logprobs=True, **params), collector)
     scheduler.submit(job)
     return job, collector
 
@@ -262,10 +263,11 @@ def test_stop_strings_end_a_reply_inside_the_batch(scheduler_of, tiny_tokenizer)
     assert stopped.tokens() == free.tokens()[:result.completion_tokens]
 
 
-def test_a_job_that_could_never_run_is_refused_at_submit(scheduler_of, tiny_tokenizer):
+def test_a_job_that_could_never_run_is_refused_by_the_checks(scheduler_of, tiny_tokenizer):
     """More sequences than decode together, a worst case over the whole KV budget, a token id
-    outside the vocabulary: each refused by submit with its own error, never queued (it would
-    wait forever, or fail the step of every job); the scheduler goes on serving."""
+    outside the vocabulary: each refused by the checks a request passes when it is prepared
+    (`check_sequences`, then `check` once the prompt is counted), with its own error, never queued
+    (it would wait forever, or fail the step of every job); the scheduler goes on serving."""
     prompt = _prompt(tiny_tokenizer, TEXTS[0])
     one = scheduler_of().worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=8))
     scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=one)
@@ -273,8 +275,10 @@ def test_a_job_that_could_never_run_is_refused_at_submit(scheduler_of, tiny_toke
                                  ({"max_new_tokens": 9}, TooLarge, "worst-case KV cache"),
                                  ({"logit_bias": {200_000: 1.0}}, SamplingError,
                                   "logit_bias names token 200000, outside the vocabulary [0, 163840)")):
+        sampling = SamplingParams(**{"max_new_tokens": 8, **params})
         with pytest.raises(error, match=re.escape(words)):
-            _submit(scheduler, prompt, **{"max_new_tokens": 8, **params})
+            scheduler.check_sequences(sampling)
+            scheduler.check(len(prompt.ids), sampling)
         assert scheduler.idle
     _, fits = _submit(scheduler, prompt, max_new_tokens=8, ignore_eos=True)
     assert len(fits.wait().tokens()) == 8 and scheduler.reserved_bytes == 0
@@ -297,8 +301,8 @@ def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler
     scheduler = scheduler_of(max_num_seqs=2)
     _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
     failing = FailingEmit()
-    scheduler.submit(Job(_prompt(tiny_tokenizer, TEXTS[1]), SamplingParams(max_new_tokens=2000, ignore_eos=True,
-                                                                          logprobs=True), failing))
+    params = SamplingParams(max_new_tokens=2000, ignore_eos=True, logprobs=True)
+    scheduler.submit(Generation(_prompt(tiny_tokenizer, TEXTS[1]), [], params, failing))
     _wait_for(lambda: scheduler.last_batch == 2, "both sequences in one batch")
     _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=6, ignore_eos=True)
     assert scheduler.running == 2 and not waiting.items  # no room: it waits

@@ -27,8 +27,8 @@ from serve_process import free_port
 
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
-from service.engine.scheduler import Prompt, trunk_embeds
-from service.engine.vllm_ec import mm_hash
+from service.engine.scheduler import trunk_embeds
+from service.epd.vllm_storage import mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
 from service.rpc.convert import CHUNK_BYTES
@@ -69,7 +69,7 @@ def server(tiny_checkpoint, export_dir, metrics_port):
 
 def _pool_rows(engine: Engine, data: bytes) -> torch.Tensor:
     """One image's rows straight from the engine's pool (the reference the RPCs must match)."""
-    return engine.pool.submit(data, vision.DEFAULT_OPTIONS, vision.plan_image(data)).result(60)
+    return engine.pool.submit(ImageInput(data), vision.plan_image(data)).result(60)
 
 
 
@@ -233,10 +233,10 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client
     # token embeddings.
     engine = server.engine
     chat_input_embeddings = [engine.cache.get(s.content_hash) for s in header.spans]
-    chat = ChatInput(messages, images=[ImageInput(x) for x in (a, b, c)])
-    expanded, thinking = engine._chat_prompt(chat, chat_input_embeddings)
-    prompt = Prompt(expanded.input_ids, expanded.spans, [e.rows for e in chat_input_embeddings], thinking)
-    embeds = trunk_embeds(engine.model, prompt)
+    media = [ImageInput(x) for x in (a, b, c)]
+    chat = ChatInput(messages)
+    prompt = engine.preparer.prepare(engine.check(media, chat), media, chat).prompt
+    embeds = trunk_embeds(engine.model, prompt, [e.rows for e in chat_input_embeddings])
     assert prompt.ids == ids
     text_rows = engine.model.embed_tokens(torch.tensor(ids))
     is_image = torch.tensor(ids) == MEDIA_PAD_ID

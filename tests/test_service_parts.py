@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from service import errors
-from service.engine import vllm_ec as ec_export
 from service.engine.cache import EmbedCache
 from service.engine.identity import checkpoint_fingerprint, content_hash
+from service.epd import vllm_storage as ec_export
 from textcore.splice import Span, SpliceError, expand_media_pads, position_ids, splice_rows
 from textcore.tokenizer import MEDIA_PAD_ID as PAD
 from vision import ImageOptions
@@ -139,7 +139,7 @@ def test_error_taxonomy_is_one_table():
     for exc, kind, code, http, retry in cases:
         failure = errors.classify(exc)
         assert failure is not None and failure.kind == kind, exc
-        assert failure.rule == errors.Rule(code, http, retry), exc
+        assert (failure.rule.grpc, failure.rule.http, failure.rule.retry) == (code, http, retry), exc
     assert errors.classify(ImageDecodeError("truncated")).message == "bad image: truncated"
     assert errors.classify(ChatError("role")).message == "bad chat: role"
     assert errors.classify(UnsupportedMediaError("video")).message == "video"
@@ -148,3 +148,10 @@ def test_error_taxonomy_is_one_table():
     failure = errors.failure_for(RuntimeError("secret internals"))
     assert failure.kind == K.INTERNAL and "secret" not in failure.message and "ref" in failure.message
     assert set(errors.RULES) == set(errors.Kind)
+    # What HTTP itself answers is a kind too: one table for every route's status and OpenAI type.
+    for exc, http, openai_type, closes in [(errors.SlowClient("x"), 408, "timeout_error", True),
+                                           (errors.HeadersTooLarge("x"), 431, "invalid_request_error", True),
+                                           (errors.MethodNotAllowed("x"), 405, "invalid_request_error", False),
+                                           (errors.Unauthenticated("x"), 401, "authentication_error", False)]:
+        rule = errors.classify(exc).rule
+        assert (rule.http, rule.openai_type, rule.closes) == (http, openai_type, closes), exc

@@ -38,7 +38,7 @@ from serve_process import ServeProcess, free_port
 from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
 
 from service.engine import EngineConfig
-from service.http.sglang_wire import error_frames, part_frames
+from service.epd.sglang_wire import error_frames, part_frames
 from service.rpc.client import VisionClient
 from service.server import ServerConfig, ServerThread
 

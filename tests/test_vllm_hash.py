@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 
-from service.engine.vllm_ec import item_key, mm_hash
+from service.epd.vllm_storage import item_key, mm_hash
 
 pytestmark = needs_vllm_goldens
 

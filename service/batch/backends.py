@@ -1,6 +1,6 @@
 """Where a batch job's model work runs: in this process (`EngineBackend`, the engine) or on a
 running server over gRPC (`ServerBackend`). Both answer the same questions, `generate(chat,
-max_new_tokens, sampling)` (a `service.openai.response.Reply`) and `embed(image)`, raise failures
+media, params)` (a `service.openai.response.Reply`) and `embed(image)`, raise failures
 with a kind of the service's taxonomy (the runner classifies them with `service.errors.classify`),
 name their model the same way (`identity`: the checkpoint fingerprint, so a job may be resumed in
 either mode; `serves(model)` and `model_name`, the first served name, as vLLM names it in replies)
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +25,17 @@ import grpc
 import numpy as np
 
 from service.auth import ENV_VAR
-from service.engine import ChatInput, Choice, Engine, EngineConfig, GenerationResult, ImageInput, Logprobs, TokenLogprob
+from service.engine import (
+    ChatInput,
+    Choice,
+    Engine,
+    EngineConfig,
+    GenerationResult,
+    Logprobs,
+    MediaInput,
+    SamplingParams,
+    TokenLogprob,
+)
 from service.errors import (
     KIND_METADATA,
     BadRequest,
@@ -41,7 +52,7 @@ from service.rpc._proto import vision_pb2 as pb
 from service.rpc.auth import bearer_credentials
 from service.rpc.client import DEFAULT_MAX_SEND_BYTES, AsyncVisionClient, embed_request, generate_request
 from textcore import parser as p
-from vision import DEFAULT_LIMITS, Limits
+from vision import DEFAULT_LIMITS, Limits, check_modality
 
 # What a chat message may hold that a server's Generate carries (the in-process engine reads the
 # message as it is).
@@ -64,7 +75,7 @@ class Backend(Protocol):
 
     def serves(self, model: str | None) -> bool: ...
 
-    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply: ...
+    async def generate(self, chat: ChatInput, media: list[MediaInput], params: SamplingParams) -> Reply: ...
 
     async def embed(self, image: bytes) -> Embedding: ...
 
@@ -94,13 +105,14 @@ class EngineBackend:
         return self.engine.serves(model)
 
     async def embed(self, image: bytes) -> Embedding:
-        (emb,) = await self.engine.embed([ImageInput(image)])
+        (emb,) = await self.engine.embed([MediaInput(image)])
         return Embedding(emb.rows.float().numpy(), emb.grid_thw, emb.num_tokens)
 
-    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
+    async def generate(self, chat: ChatInput, media: list[MediaInput], params: SamplingParams) -> Reply:
         engine = self.engine
+        prepared = await engine.prepare(engine.check(media, chat, params), media, chat)
         reply = Reply()
-        async with contextlib.aclosing(engine.generate(chat, engine.sampling(max_new_tokens, **sampling))) as items:
+        async with contextlib.aclosing(engine.generate(prepared)) as items:
             async for item in items:
                 reply.add(item)
         return reply
@@ -177,8 +189,9 @@ class ServerBackend:
             header, rows = await self.client.send_embed(request)
         return Embedding(np.ascontiguousarray(rows, dtype=np.float32), tuple(header.grid_thw), header.num_tokens)
 
-    async def generate(self, chat: ChatInput, max_new_tokens: int, sampling: dict[str, Any]) -> Reply:
-        request = generate_request(wire_messages(chat), chat.tools, "", max_new_tokens, sampling, chat.kwargs)
+    async def generate(self, chat: ChatInput, media: list[MediaInput], params: SamplingParams) -> Reply:
+        request = generate_request(wire_messages(chat, media), chat.tools, "", params.max_new_tokens,
+                                   wire_sampling(params), chat.kwargs)
         self._check_size(request)
         reply = Reply()
         with _remote_errors():
@@ -222,9 +235,15 @@ def _item(event: pb.GenerateEvent) -> p.Event | Logprobs | GenerationResult | No
     return None
 
 
-def wire_messages(chat: ChatInput) -> list[pb.ChatMessage]:
-    """The chat's messages as Generate carries them (each image part takes the next image)."""
-    images = iter(chat.images)
+def wire_sampling(params: SamplingParams) -> dict[str, Any]:
+    """`params` as the `Sampling` message's fields (the reverse of `service.rpc.convert.sampling`)."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "max_new_tokens"}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def wire_messages(chat: ChatInput, media: list[MediaInput]) -> list[pb.ChatMessage]:
+    """The chat's messages as Generate carries them (each media part takes the next item)."""
+    images = iter(media)
     out = []
     for i, message in enumerate(chat.messages):
         where = f"messages[{i}]"
@@ -247,7 +266,8 @@ def wire_messages(chat: ChatInput) -> list[pb.ChatMessage]:
     return out
 
 
-def _wire_image(image: ImageInput) -> pb.Image:
+def _wire_image(image: MediaInput) -> pb.Image:
+    check_modality(image.modality, image.where)  # the wire carries images: refused here as the server would
     return pb.Image(data=image.data, uuid=image.uuid or "")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from service.batch.ids import IdTable
 from service.batch.spec import JobSpec
 from service.errors import BadRequest
-from service.openai.request import load_json
+from service.jsontext import load_json
 
 CHAT_URL = "/v1/chat/completions"
 EMBEDDINGS_URL = "/v1/embeddings"

@@ -9,12 +9,14 @@ sampling value's `SamplingError`); the runner makes it that line's error row. A 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from service.batch.inputs import CHAT_URL, EMBEDDINGS_URL, Item
 from service.errors import BadRequest, Unsupported
-from service.openai.request import ChatRequest, ImagePart, parse_chat_request
+from service.media import MediaRef
+from service.openai.request import ChatRequest, parse_chat_request
 
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 # An embeddings body: `messages` holds the image; `encoding_format` only as the shards store it.
@@ -47,24 +49,23 @@ def _body(item: Item, task: str) -> Mapping[str, Any]:
     return body
 
 
-def chat_request(item: Item, task: str) -> ChatRequest:
-    """A caption or OCR line's chat-completions request."""
+def chat_request(item: Item, task: str, max_new_tokens: int) -> ChatRequest:
+    """A caption or OCR line's chat-completions request: `max_new_tokens` where it sets no
+    max_tokens, and thinking off unless it asks for thinking (a caption or a transcription is
+    wanted, not a reasoning trace; a reasoning_effort other than "none" asks)."""
     request = parse_chat_request(_body(item, task))
     if request.stream:
         raise BadRequest("stream: a batch line gets one whole reply; drop stream")
-    return request
-
-
-def chat_kwargs(request: ChatRequest) -> dict[str, Any]:
-    """The request's template options, thinking off unless it asks for thinking: a caption or a
-    transcription is wanted, not a reasoning trace (a reasoning_effort other than "none" asks)."""
-    kwargs = dict(request.chat_kwargs)
+    kwargs = dict(request.chat.kwargs)
     if "thinking" not in kwargs and "enable_thinking" not in kwargs and kwargs.get("reasoning_effort") is None:
         kwargs["thinking"] = False
-    return kwargs
+    params = request.params
+    if params.max_new_tokens is None:
+        params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+    return dataclasses.replace(request, chat=dataclasses.replace(request.chat, kwargs=kwargs), params=params)
 
 
-def embedding_request(item: Item) -> tuple[str | None, ImagePart]:
+def embedding_request(item: Item) -> tuple[str | None, MediaRef]:
     """An embedding line's model and its one image."""
     body = _body(item, "embed")
     if "input" in body:
@@ -77,9 +78,10 @@ def embedding_request(item: Item) -> tuple[str | None, ImagePart]:
         raise Unsupported(f"encoding_format={body['encoding_format']!r} is not supported (only 'float': the "
                           "rows are written to safetensors shards as float32)")
     request = parse_chat_request({key: body[key] for key in ("model", "messages") if key in body})
-    contents = [m.get("content") for m in request.messages]
+    messages = request.chat.messages
+    contents = [m.get("content") for m in messages]
     parts = sum(1 if isinstance(content, str) else len(content or []) for content in contents)
-    if len(request.images) != 1 or parts != 1 or any(m["role"] != "user" for m in request.messages):
+    if len(request.media) != 1 or parts != 1 or any(m["role"] != "user" for m in messages):
         raise BadRequest("messages must hold one user message with exactly one image_url part and nothing else "
-                         f"(this one has {len(request.images)} image(s) in {parts} part(s))")
-    return request.model, request.images[0]
+                         f"(this one has {len(request.media)} image(s) in {parts} part(s))")
+    return request.model, request.media[0]

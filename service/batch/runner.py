@@ -3,7 +3,7 @@ too), and the asyncio runner (`Job`) that keeps `concurrency` lines in flight on
 when every line has its row, puts the output in input order (`journal.finish`).
 
 Every line takes one path: its request is checked (`requests.py`; a malformed line, an unsupported
-parameter or another model is that line's error row), its images are fetched (`ImageFetcher`:
+parameter or another model is that line's error row), its images are fetched (`MediaFetcher`:
 data: URLs, local files, http(s) with --allow-remote-images by the server's rules, a line's concurrently;
 each under the backend's per-image byte limit, so an image the model would refuse is never read
 whole), then the backend generates or embeds.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import signal
 import time
 from collections.abc import Callable
@@ -35,12 +34,12 @@ from service.batch.backends import Backend
 from service.batch.inputs import InputError, Inputs, Item
 from service.batch.journal import Prior, RowWriter, errors_name, finish, prepare
 from service.batch.progress import Progress
-from service.batch.requests import chat_kwargs, chat_request, embedding_request
+from service.batch.requests import chat_request, embedding_request
 from service.batch.rows import embedding_body, error_message, error_row, is_ok, is_transient, ok_row
 from service.batch.shards import ShardWriter
 from service.batch.spec import EMBED_DTYPE, JobSpec
 from service.errors import Failure, NotFound, classify
-from service.openai.images import ImageFetcher
+from service.fetch import MediaFetcher
 from service.openai.response import completion, new_id
 
 
@@ -186,7 +185,7 @@ class ItemRunner:
         self.backend = backend
         self.options = options
         self.stopping = stopping
-        self.fetcher = ImageFetcher(backend.limits.max_bytes, allow_remote=spec.allow_remote_images,
+        self.fetcher = MediaFetcher(backend.limits.max_bytes, allow_remote=spec.allow_remote_images,
                                     base_dir=base_dir, allowed_domains=spec.allowed_media_domains,
                                     timeout_s=spec.media_fetch_timeout_s, concurrency=spec.max_media_fetches)
 
@@ -228,13 +227,12 @@ class ItemRunner:
                                   dtype=EMBED_DTYPE, grid_thw=list(embedding.grid_thw),
                                   num_tokens=embedding.num_tokens)
             return ok_row(item.custom_id, item.line, body, _timings(start, read)), embedding.rows
-        request = chat_request(item, self.spec.task)
+        request = chat_request(item, self.spec.task, self.spec.effective_max_new_tokens)
         self._check_model(request.model)
-        images = await self.fetcher.fetch_all(request.images)
+        data = await self.fetcher.fetch_all(request.media)
         read = time.monotonic()
-        chat = dataclasses.replace(request, chat_kwargs=chat_kwargs(request)).chat_input(images)
-        max_new = request.max_tokens or self.spec.effective_max_new_tokens
-        reply = await backend.generate(chat, max_new, request.sampling)
+        media = [ref.input(item_bytes) for ref, item_bytes in zip(request.media, data, strict=True)]
+        reply = await backend.generate(request.chat, media, request.params)
         body = completion(reply, model=backend.model_name, request_id=new_id())
         return ok_row(item.custom_id, item.line, body, _timings(start, read)), None
 

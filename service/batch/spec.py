@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
 
 TASKS = ("caption", "ocr", "embed")
 DEFAULT_PROMPTS = {

@@ -6,10 +6,11 @@ is chosen)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vision import Limits
@@ -24,13 +25,22 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, devices: bool = True
                             help="encoder workers: auto (default), cpu:N or cuda:0,1,...")
 
 
+def config_default(config: type, name: str) -> Any:
+    """A config dataclass field's default: the one value a flag's default and help show."""
+    spec = {f.name: f for f in dataclasses.fields(config)}[name]
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+
+
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """What keys vLLM's encoder cache: its model id and hash algorithm (keep them equal on both sides)."""
     parser.add_argument("--vllm-model-id", metavar="ID",
                         help="the model id vLLM runs (`vllm serve ID`), which keys its mm_hash of every image "
                              "(default: the checkpoint's _name_or_path, else moonshotai/Kimi-K3)")
-    parser.add_argument("--mm-hasher-algorithm", choices=("blake3", "sha256", "sha512"), default="blake3",
-                        help="vLLM's --mm-hasher-algorithm (default blake3, as vLLM's)")
+    from service.engine.config import HASH_ALGORITHMS, EngineConfig
+
+    default = config_default(EngineConfig, "hash_algorithm")
+    parser.add_argument("--mm-hasher-algorithm", choices=HASH_ALGORITHMS, default=default,
+                        help=f"vLLM's --mm-hasher-algorithm (default {default}, as vLLM's)")
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -109,21 +119,22 @@ def positive_float(text: str) -> float:
 
 
 def add_remote_image_arguments(parser: argparse.ArgumentParser, *, who: str) -> None:
-    """`--allow-remote-images` and the rules its fetches follow (`service.openai.images`); `who`
-    names what may name the URLs ("HTTP requests", "input lines"). The defaults are those of
-    `service.openai.images` (written out, not imported: a command's --help stays light)."""
+    """`--allow-remote-images` and the rules its fetches follow (`service.fetch`, whose defaults
+    these are); `who` names what may name the URLs ("HTTP requests", "input lines")."""
+    from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_MAX_REDIRECTS, DEFAULT_TIMEOUT_S
+
     parser.add_argument("--allow-remote-images", action="store_true",
                         help=f"let {who} name http(s) image URLs, which are then fetched: only public addresses "
                              "(loopback, private, link-local, multicast and reserved ones are refused, on every "
-                             "redirect hop; at most 3), under the per-image byte limit")
+                             f"redirect hop; at most {DEFAULT_MAX_REDIRECTS}), under the per-image byte limit")
     parser.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
                         help="with --allow-remote-images: fetch only from these hosts (exact names, as vLLM's "
                              "flag), wherever they resolve (default: any public host)")
-    parser.add_argument("--media-fetch-timeout", type=positive_float, default=10.0, metavar="S",
+    parser.add_argument("--media-fetch-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="seconds for the whole transfer of a request's remote images, fetched concurrently "
-                             "(default 10)")
-    parser.add_argument("--max-media-fetches", type=positive_int, default=16, metavar="N",
-                        help="remote image fetches at once, over all requests (default 16)")
+                             f"(default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--max-media-fetches", type=positive_int, default=DEFAULT_CONCURRENCY, metavar="N",
+                        help=f"remote image fetches at once, over all requests (default {DEFAULT_CONCURRENCY})")
 
 
 def remote_image_problem(args: argparse.Namespace) -> str | None:

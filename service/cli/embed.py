@@ -48,10 +48,11 @@ def _unique_key(name: str, used: set[str]) -> str:
 
 
 async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]]:
-    """(name, ImageEmbedding or the failure message, vLLM's key) per file, in order; a few in flight."""
+    """(name, MediaEmbedding or the failure message, vLLM's key) per file, in order; a few in flight."""
     import asyncio
 
-    from service.engine import ImageInput
+    from service.engine import MediaInput
+    from service.epd.vllm_storage import item_key
     from service.errors import classify
 
     slots = asyncio.Semaphore(2 * len(engine.devices))
@@ -61,7 +62,7 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
         async with slots:
             try:
                 try:
-                    image = ImageInput(common.read_image_file(name, limits))
+                    image = MediaInput(common.read_image_file(name, limits))
                 except OSError as e:
                     return name, e.strerror or str(e), ""
                 (emb,) = await engine.embed([image])
@@ -70,7 +71,7 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
                 if failure is None:
                     raise
                 return name, failure.message, ""
-            return name, emb, engine.vllm_key(image)
+            return name, emb, item_key(image.data, None, engine.model_id, engine.config.hash_algorithm)
 
     return list(await asyncio.gather(*(one(name) for name in names)))
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from service.engine import Engine, EngineConfig
-    from service.engine.vllm_ec import write_ec
+    from service.epd.vllm_storage import write_ec
     from service.errors import ServiceError
     from service.files import atomic_path
     from vision.checkpoint import CheckpointError

@@ -15,6 +15,7 @@ from service.cli.common import (
     add_remote_image_arguments,
     add_vllm_arguments,
     checkpoint_dir,
+    config_default,
     image_limits,
     non_negative_int,
     port_number,
@@ -30,12 +31,20 @@ log = logging.getLogger("kimi_vision.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Every default below is the config's own (`config_default`), so the help shows what runs.
+    from service.engine.config import COMPONENTS, EngineConfig
+    from service.http.app import HttpConfig
+    from service.rpc.server import GrpcConfig
+    from service.server import ServerConfig
+
+    engine, server = EngineConfig, ServerConfig
     add_model_arguments(parser)
-    parser.add_argument("--components", choices=("all", "vision"), default="all",
+    parser.add_argument("--components", choices=COMPONENTS, default=config_default(engine, "components"),
                         help="all (default): tokenizer, vision tower, projector and trunk; vision: no trunk is "
                              "loaded (a vision frontend: everything but generation)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = any free port)")
+    host, port = config_default(server, "host"), config_default(server, "port")
+    parser.add_argument("--host", default=host, help=f"address to listen on (default {host})")
+    parser.add_argument("--port", type=port_number, default=port, help=f"port (default {port}; 0 = any free port)")
     parser.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve Prometheus metrics on this port, at /metrics (0 = any free port)")
     parser.add_argument("--health-port", type=port_number, metavar="PORT",
@@ -45,36 +54,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-worker", type=positive_int, metavar="N",
                         help="torch and OpenCV threads in each encoder worker (default: the CPUs this process may "
                              "use, affinity and cgroup quota, split between the workers)")
-    parser.add_argument("--max-concurrency", type=positive_int, default=4, metavar="N",
+    value = config_default(server, "max_concurrency")
+    parser.add_argument("--max-concurrency", type=positive_int, default=value, metavar="N",
                         help="requests doing image work at once (Preprocess, CountTokens, Embed, Encode; a "
-                             "generation takes no slot: the trunk's scheduler runs generations together); default 4")
-    parser.add_argument("--max-queue", type=non_negative_int, default=32, metavar="N",
+                             "generation takes no slot: the trunk's scheduler runs generations together); "
+                             f"default {value}")
+    value = config_default(server, "max_queue")
+    parser.add_argument("--max-queue", type=non_negative_int, default=value, metavar="N",
                         help="more requests admitted beyond those slots, generations included; beyond that "
-                             "RESOURCE_EXHAUSTED (default 32)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=32, metavar="N",
+                             f"RESOURCE_EXHAUSTED (default {value})")
+    value = config_default(engine, "max_num_seqs")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=value, metavar="N",
                         help="sequences the trunk decodes together in one batch (a request's n counts n; 1: one "
-                             "sequence at a time); default 32")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512, metavar="N",
+                             f"sequence at a time); default {value}")
+    value = config_default(engine, "max_num_batched_tokens")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=value, metavar="N",
                         help="tokens per trunk step: one per running sequence, the rest for prefill chunks, so a "
                              "long prompt is prefilled over several steps (while sequences run, a chunk token also "
-                             "counts the earlier tokens its attention reads) (>= --max-num-seqs); default 512")
+                             f"counts the earlier tokens its attention reads) (>= --max-num-seqs); default {value}")
     parser.add_argument("--kv-cache-memory-gb", type=positive_float, metavar="GB",
                         help="KV cache budget (GiB): a generation starts when its worst-case cache (n x (prompt + "
                              "max_tokens) tokens) fits beside the running ones, otherwise it waits; default: a "
                              "quarter of the trunk device's memory (CUDA: free after loading; CPU: physical, or the "
                              "cgroup's memory limit when lower)")
-    parser.add_argument("--max-message-mb", type=positive_int, default=64, metavar="MB",
-                        help="largest request message, all its images together (default 64)")
+    value = config_default(GrpcConfig, "max_receive_bytes") >> 20
+    parser.add_argument("--max-message-mb", type=positive_int, default=value, metavar="MB",
+                        help=f"largest request message, all its images together (default {value})")
     add_image_limit_arguments(parser, bounded_by="--max-message-mb")
-    parser.add_argument("--max-images", type=positive_int, default=16, metavar="N",
-                        help="images per request (default 16)")
+    value = config_default(engine, "max_images")
+    parser.add_argument("--max-images", type=positive_int, default=value, metavar="N",
+                        help=f"images (media items) per request (default {value})")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="prompt tokens (images counted from their headers) plus max_tokens, per request, as "
                              "vLLM's flag; over it a request is refused before any pixel is decoded; max_tokens "
                              "absent means what the prompt leaves (default: the checkpoint's "
                              "max_position_embeddings)")
-    parser.add_argument("--cache-mb", type=non_negative_int, default=1024, metavar="MB",
-                        help="embedding cache budget (default 1024; 0 disables)")
+    value = config_default(engine, "cache_bytes") >> 20
+    parser.add_argument("--cache-mb", type=non_negative_int, default=value, metavar="MB",
+                        help=f"embedding cache budget (default {value}; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
     parser.add_argument("--ec-role", choices=("producer",),
@@ -85,22 +102,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
                              "/v1/models) and SGLang's encoder protocol (/encode) on this port (0 = any free port)")
     add_remote_image_arguments(parser, who="HTTP requests")
-    parser.add_argument("--max-bodies-in-flight", type=positive_int, default=8, metavar="N",
+    value = config_default(server, "max_bodies_in_flight")
+    parser.add_argument("--max-bodies-in-flight", type=positive_int, default=value, metavar="N",
                         help="HTTP request bodies being read at once (each request takes its --max-queue place "
-                             "first; the others wait there) (default 8)")
-    parser.add_argument("--http-header-timeout", type=positive_float, default=10.0, metavar="S",
+                             f"first; the others wait there) (default {value})")
+    value = config_default(HttpConfig, "header_timeout_s")
+    parser.add_argument("--http-header-timeout", type=positive_float, default=value, metavar="S",
                         help="seconds an HTTP connection has for its request line and headers, else 408 and "
-                             "closed (default 10)")
-    parser.add_argument("--http-body-timeout", type=positive_float, default=60.0, metavar="S",
+                             f"closed (default {value:g})")
+    value = config_default(HttpConfig, "body_timeout_s")
+    parser.add_argument("--http-body-timeout", type=positive_float, default=value, metavar="S",
                         help="seconds an HTTP request body has to arrive once its reading starts, else 408 and "
-                             "closed (default 60)")
-    parser.add_argument("--max-header-kb", type=positive_int, default=16, metavar="KB",
-                        help="an HTTP request line and headers together, in KiB; larger is 431 (default 16)")
+                             f"closed (default {value:g})")
+    value = config_default(HttpConfig, "max_header_bytes") >> 10
+    parser.add_argument("--max-header-kb", type=positive_int, default=value, metavar="KB",
+                        help=f"an HTTP request line and headers together, in KiB; larger is 431 (default {value})")
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="a name requests may give as `model` (repeatable; default: the vLLM model id)")
     add_vllm_arguments(parser)
-    parser.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
-                        help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    value = config_default(server, "drain_grace_s")
+    parser.add_argument("--drain-seconds", type=float, default=value, metavar="S",
+                        help=f"on SIGTERM, how long in-flight requests may finish (default {value:g})")
     parser.add_argument("--auth-token", metavar="TOKEN",
                         help="require 'authorization: Bearer TOKEN' on every RPC except health (default: "
                              "$KIMI_VISION_AUTH_TOKEN; prefer the variable, flags show in the process list)")

@@ -57,13 +57,13 @@ import torch.multiprocessing as tmp
 
 from service.cpus import cpu_budget
 from service.engine.allocator import KEEP_FREED_BYTES
+from service.engine.inputs import MediaInput
 from service.engine.worker import pack_bytes, resolve_patchify, unpack_rows, worker_main
 from service.errors import Kind, ServiceError
 from vision.checkpoint import Checkpoint, CheckpointError
 from vision.config import VisionConfig
 from vision.decode import DEFAULT_LIMITS, Limits
 from vision.encoder import check_checkpoint
-from vision.options import ImageOptions
 from vision.preprocess import ImagePlan
 
 MAX_INFLIGHT_PER_WORKER = 2  # sent to a worker and not yet answered: one running, one ready
@@ -243,13 +243,13 @@ class EncoderPool:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def submit(self, data: bytes, options: ImageOptions, plan: ImagePlan) -> Future:
-        """Queue one image's encoded bytes on the slot with the fewest outstanding patches.
-        `plan`: `vision.plan_image(data, options)`, which the worker preprocesses by (a plan of
+    def submit(self, item: MediaInput, plan: ImagePlan) -> Future:
+        """Queue one item's encoded bytes on the slot with the fewest outstanding patches.
+        `plan`: `vision.plan_media` of the item, which the worker preprocesses by (a plan of
         other bytes fails the future with `EncodeError`). Its future stays pending, and can be
         cancelled, until the request is sent to a worker; a bad image body fails it with the
         `ImageError` that `vision.preprocess_image` raises."""
-        request = _Request(next(self._ids), (pack_bytes(data, self._inline_bytes), options, plan), Future(),
+        request = _Request(next(self._ids), (pack_bytes(item.data, self._inline_bytes), item.options, plan), Future(),
                            plan.num_patches)
         with self._lock:
             if self._closed:

@@ -18,9 +18,10 @@ One thread owns the trunk and runs engine steps. Each step:
 
 Each sequence has its own cache, sampler (seeded `seed + index`), output parser and stop strings,
 so batching changes no sequence's tokens. What a sequence produces goes back to its caller as
-`Choice` items through the job's `emit`, called on this thread. A job that could never run here
-(`check`: n over `max_num_seqs`, a worst case over the whole budget, ids outside the vocabulary)
-is refused when it is submitted; a step that fails ends the jobs in it, not those still waiting.
+`Choice` items through the generation's `emit`, called on this thread. A generation that could
+never run here (n over `max_num_seqs`, a worst case over the whole budget, ids outside the
+vocabulary) was refused when it was prepared (`service.engine.inputs`), before any pixel was
+decoded; `submit` only asserts it. A step that fails ends the generations in it, not those waiting.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from service.cpus import usable_memory
+from service.engine.inputs import Prompt
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
 from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.parser import Event, StreamParser
-from textcore.splice import Span, splice_rows
+from textcore.splice import splice_rows
 from textcore.stops import StopStrings
 from textcore.tokenizer import END_OF_MSG_ID, Tokenizer
 
@@ -120,32 +122,20 @@ class Choice(NamedTuple):
     item: Event | Logprobs | GenerationResult
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """A chat ready for the trunk: the expanded ids, each image's span and rows."""
-
-    ids: list[int]
-    spans: list[Span]
-    rows: list[torch.Tensor]
-    thinking: bool  # the generation prompt opens a think element (the parser starts inside it)
-
-    @property
-    def image_tokens(self) -> int:
-        return sum(span.length for span in self.spans)
-
-
 # What a job's emit receives: its choices' items, then None (every choice ended) or the exception
 # that ended the job.
 Emit = Callable[[Choice | BaseException | None], None]
 
 
 @dataclass
-class Job:
-    """One generation request: `params.n` sequences continuing `prompt`. The caller sets
-    `cancelled` when it leaves; the scheduler then drops the job at its next step."""
+class Generation:
+    """One generation request: `params.n` sequences continuing `prompt`, its media spans filled
+    with `rows` (one tensor per item). The caller sets `cancelled` when it leaves; the scheduler
+    then drops the generation at its next step."""
 
     prompt: Prompt
-    params: SamplingParams
+    rows: list[torch.Tensor]
+    params: SamplingParams  # max_new_tokens resolved (`Preparer.prepare`)
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set by the scheduler
@@ -159,18 +149,18 @@ class Job:
             self.emit(exc)
 
 
-def trunk_embeds(model: KimiLinearForCausalLM, prompt: Prompt) -> torch.Tensor:
-    """The trunk's input rows `[T, hidden]`: token embeddings with each image span replaced by its rows."""
+def trunk_embeds(model: KimiLinearForCausalLM, prompt: Prompt, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The trunk's input rows `[T, hidden]`: token embeddings with each media span replaced by its rows."""
     ids = torch.tensor(prompt.ids, dtype=torch.long, device=model.device)
-    return splice_rows(model.embed_tokens(ids), prompt.spans, prompt.rows)
+    return splice_rows(model.embed_tokens(ids), prompt.spans, rows)
 
 
 class _Prefill:
     """An admitted job whose prompt is going into its (first) cache, chunk by chunk."""
 
-    def __init__(self, job: Job, model: KimiLinearForCausalLM, latent_dtype: torch.dtype | None) -> None:
+    def __init__(self, job: Generation, model: KimiLinearForCausalLM, latent_dtype: torch.dtype | None) -> None:
         self.job = job
-        self.embeds = trunk_embeds(model, job.prompt)
+        self.embeds = trunk_embeds(model, job.prompt, job.rows)
         self.cache = model.new_sequence(len(job.prompt.ids) + job.params.max_new_tokens, latent_dtype)
         self.done = 0
 
@@ -178,7 +168,8 @@ class _Prefill:
 class _Sequence:
     """One running sequence: its cache, sampler, parser and stop strings."""
 
-    def __init__(self, job: Job, index: int, cache: SequenceCache, sampler: Sampler, tokenizer: Tokenizer) -> None:
+    def __init__(self, job: Generation, index: int, cache: SequenceCache, sampler: Sampler,
+                 tokenizer: Tokenizer) -> None:
         self.job = job
         self.index = index
         self.cache: SequenceCache | None = cache
@@ -214,7 +205,7 @@ class _Sequence:
             self._emit(event)
         if reason is not None:
             prompt = self.job.prompt
-            self._emit(GenerationResult(reason, len(prompt.ids), prompt.image_tokens, len(self.sampler.tokens)))
+            self._emit(GenerationResult(reason, len(prompt.ids), prompt.media_tokens, len(self.sampler.tokens)))
             self.finished = True
 
     def _emit(self, item: Event | Logprobs | GenerationResult) -> None:
@@ -241,7 +232,7 @@ class Scheduler:
         self.metrics = metrics
         self._space = TokenSpace(model.cfg.vocab_size, allowed_ids, model.device)  # what may be sampled
         self._wake = threading.Condition()
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Generation] = deque()
         self._prefilling: list[_Prefill] = []
         self._running: list[_Sequence] = []
         self.reserved_bytes = 0  # worst-case caches of the admitted jobs
@@ -261,18 +252,17 @@ class Scheduler:
         return params.n * self.sequence_bytes(prompt_tokens + params.max_new_tokens)
 
     def check_sequences(self, params: SamplingParams) -> None:
-        """The n sequences of a request decode together: n within `max_num_seqs`."""
+        """The n sequences of a request decode together: n within `max_num_seqs` (checked once, by
+        `Preparer.check`, before anything is read)."""
         if params.n > self.max_num_seqs:
             raise BadRequest(f"n {params.n} is above this server's --max-num-seqs {self.max_num_seqs} "
                              "(the n sequences of a request decode together)")
 
     def check(self, prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse a job that could never be admitted or started: more sequences than decode together
-        (`BadRequest`), a worst-case cache over the whole KV budget (`TooLarge`), token ids outside
-        the vocabulary (`SamplingError`). `params.max_new_tokens` must be resolved."""
-        if params.max_new_tokens is None:
-            raise ValueError("params.max_new_tokens is None: resolve it from the prompt's length first")
-        self.check_sequences(params)
+        """Refuse a generation that could never be admitted or started, once its prompt is counted
+        (`Preparer.prepare`): a worst-case cache over the whole KV budget (`TooLarge`), token ids
+        outside the vocabulary (`SamplingError`). `params.max_new_tokens` is resolved."""
+        assert params.max_new_tokens is not None, "resolve max_new_tokens from the prompt's length first"
         need = self.worst_case_bytes(prompt_tokens, params)
         if need > self.kv_cache_bytes:
             raise TooLarge(f"this request's worst-case KV cache ({params.n} x ({prompt_tokens:,} prompt + "
@@ -281,9 +271,9 @@ class Scheduler:
                            "prompt or ask for fewer tokens")
         params.check_vocab(self.model.cfg.vocab_size)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job (`check`ed here: one that could never run is refused, not left waiting)."""
-        self.check(len(job.prompt.ids), job.params)
+    def submit(self, job: Generation) -> None:
+        """Queue a generation `check`ed when it was prepared (nothing is checked again here)."""
+        assert job.params.max_new_tokens is not None and job.params.n <= self.max_num_seqs, "submit a prepared request"
         job.sequence_bytes = self.sequence_bytes(len(job.prompt.ids) + job.params.max_new_tokens)
         with self._wake:
             if self._closed:

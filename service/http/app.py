@@ -5,11 +5,11 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   `--allow-remote-images`) through the trunk, streamed as server-sent events with `stream: true`.
   In EC producer mode (`--ec-role producer`) every request is an encode request, whatever its
   `max_tokens` (every vLLM chat parameter is taken: nothing is sampled): its images are encoded and
-  written under the key vLLM looks each up by, and the answer is a `chat.completion` with no
-  completion tokens, carrying `ec_transfer_params` as vLLM's producer reports them (per key: the
-  item positions and the placeholder metadata), without the trunk. With `stream: true` it is one SSE
-  chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed chunks carry none (its proxy
-  asks with `stream: false`).
+  delivered by vLLM's shared-storage transport (`service.epd.vllm_storage`), and the answer is a
+  `chat.completion` with no completion tokens, carrying `ec_transfer_params` as vLLM's producer
+  reports them (per key: the item positions and the placeholder metadata), without the trunk. With
+  `stream: true` it is one SSE chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed
+  chunks carry none (its proxy asks with `stream: false`).
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
   its bodies are read, and its images fetched, as the chat route reads and fetches them.
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
@@ -25,8 +25,10 @@ them at once, outside the work slots), and only then a work slot. If the client 
 point, streaming or not, the work is cancelled there (the engine stops at its next token) and the
 access log says 499.
 
-Errors, every one (404, 405, 408, 413, 429, 431, 5xx ...), are OpenAI error objects with the
-status the one taxonomy gives (`service.errors`); 401 carries `WWW-Authenticate: Bearer`. Every
+Errors, every one (404, 405, 408, 413, 429, 431, ...), are rendered in one place
+(`service.http.errors`): OpenAI error objects here, SGLang's body on its routes, each with the
+status, type and connection handling its kind has in `service.errors.RULES`; 401 carries
+`WWW-Authenticate: Bearer`. Every
 response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on
 the request's access-log line and every other log line written while it is handled. Metric labels
 come from fixed sets (a method outside them is "other", a path no route serves "unmatched").
@@ -43,7 +45,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
@@ -53,24 +54,32 @@ from starlette.requests import ClientDisconnect
 from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
-from service.engine import ChatInput, Choice, Encoding, Engine, GenerationResult, SamplingParams
-from service.engine.vllm_ec import transfer_params
-from service.errors import BadRequest, ClientGone, Failure, Kind, NotFound, TooLarge, Unavailable, failure_for
+from service.engine import Choice, Encoding, Engine, GenerationResult, Prepared
+from service.epd import Delivery, VllmStorageSink
+from service.errors import (
+    ClientGone,
+    HeadersTooLarge,
+    MethodNotAllowed,
+    NotFound,
+    SlowClient,
+    TooLarge,
+    Unavailable,
+    failure_for,
+)
+from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, MediaFetcher
+from service.http.errors import error_response
 from service.http.sglang import add_sglang_routes
+from service.jsontext import parse_json
 from service.logs import REQUEST_ID, log_access, request_id
 from service.metrics import Metrics
-from service.openai.images import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, ImageFetcher
-from service.openai.request import ChatRequest, parse_chat_request, parse_json, parse_producer_request
-from service.openai.response import Reply, chunk, completion, error_body, error_object, new_id
+from service.openai.request import ChatRequest, parse_chat_request, parse_producer_request
+from service.openai.response import Reply, chunk, completion, error_body, new_id
 
 log = logging.getLogger("kimi_vision.access")
 
 HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
-WWW_AUTHENTICATE = 'Bearer realm="kimi-vision"'
-
-EXPORT_DTYPE = torch.bfloat16  # what vLLM's encoder cache holds for the K3 model (its activation dtype)
 
 
 @dataclass(frozen=True)
@@ -86,23 +95,6 @@ class HttpConfig:
     max_media_fetches: int = DEFAULT_CONCURRENCY  # remote image fetches at once, over all requests
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
     tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files: serve HTTPS
-
-
-class SlowClient(BadRequest):
-    """A client that did not send its body within the body timeout: 408 on the chat route (and the
-    connection closed); elsewhere (SGLang's routes) the taxonomy's bad input."""
-
-
-def _error(failure: Failure) -> JSONResponse:
-    headers = {"www-authenticate": WWW_AUTHENTICATE} if failure.kind == Kind.UNAUTHENTICATED else None
-    return JSONResponse(error_body(failure), status_code=failure.rule.http, headers=headers)
-
-
-def http_error(status: int, message: str, error_type: str = "invalid_request_error", *,
-               close: bool = False, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An OpenAI error object for a status of HTTP itself (404, 405, 408, 431)."""
-    headers = {**(headers or {}), **({"connection": "close"} if close else {})}
-    return JSONResponse(error_object(message, error_type, status), status_code=status, headers=headers)
 
 
 class _Stream(StreamingResponse):
@@ -149,15 +141,15 @@ class HttpApp:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
             len(name) + len(value) + 4 for name, value in scope["headers"])
         if size > self.config.max_header_bytes:
-            return http_error(431, f"the request line and headers hold {size:,} bytes; the limit is "
-                                   f"{self.config.max_header_bytes:,}", close=True)
+            return error_response(failure_for(HeadersTooLarge(
+                f"the request line and headers hold {size:,} bytes; the limit is {self.config.max_header_bytes:,}")))
         if self.token is None or not scope["path"].startswith("/v1/"):
             return None
         refused = self.token.refusal(headers.getlist("authorization"))
         if refused is None:
             return None
         log.warning("refused %s %s: %s", scope["method"], scope["path"], refused)
-        return _error(failure_for(refused))
+        return error_response(failure_for(refused))
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -187,7 +179,7 @@ class HttpApp:
                 await (refusal or self.app)(scope, receive, observed)
             except Exception as exc:  # noqa: BLE001 - a failure no handler answered: still an OpenAI error
                 if "status" not in answered:  # else the app's own handler answered (and logged) it
-                    await _error(failure_for(exc))(scope, receive, observed)
+                    await error_response(failure_for(exc))(scope, receive, observed)
             status = answered.get("status", 500)
             if current is not None:
                 current.set_attribute("http.response.status_code", status)
@@ -220,11 +212,11 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
     """The face on one server process's admission (which holds the engine) and metrics."""
     app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
     face = HttpApp(app, metrics, config, log_health_checks)
-    fetchers: list[ImageFetcher] = []  # one, made with the engine's per-image limit, shared by every request
+    fetchers: list[MediaFetcher] = []  # one, made with the engine's per-item limit, shared by every request
 
-    def fetcher(engine: Engine) -> ImageFetcher:
+    def fetcher(engine: Engine) -> MediaFetcher:
         if not fetchers:
-            fetchers.append(ImageFetcher(engine.config.limits.max_bytes, allow_remote=config.allow_remote_images,
+            fetchers.append(MediaFetcher(engine.config.limits.max_bytes, allow_remote=config.allow_remote_images,
                                          timeout_s=config.media_fetch_timeout_s,
                                          allowed_domains=config.allowed_media_domains,
                                          concurrency=config.max_media_fetches))
@@ -234,17 +226,17 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
     async def http_exception(request: Request, exc: HTTPException) -> Response:  # the router's 404 and 405
         if exc.status_code == 405:
             allowed = Headers(headers=exc.headers or {}).get("allow")
-            message = (f"{_printable(request.method)} is not allowed on {_printable(request.url.path)}; "
-                       f"allowed: {allowed}")
+            error: Exception = MethodNotAllowed(f"{_printable(request.method)} is not allowed on "
+                                                f"{_printable(request.url.path)}; allowed: {allowed}")
         elif exc.status_code == 404:
-            message = f"no such route: {_printable(request.url.path)}"
-        else:
-            message = str(exc.detail)
-        return http_error(exc.status_code, message, headers=exc.headers)
+            error = NotFound(f"no such route: {_printable(request.url.path)}")
+        else:  # the router raises no other status; one would be a bug, answered as one
+            error = exc
+        return error_response(failure_for(error), extra_headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> Response:
-        return _error(failure_for(exc))
+        return error_response(failure_for(exc))
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -256,26 +248,26 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
     async def models() -> Response:
         engine = admission.engine
         if engine is None:  # not loaded yet, or never (admission says which)
-            return _error(failure_for(admission.refusal() or Unavailable("server has no model loaded")))
+            return error_response(failure_for(admission.refusal() or Unavailable("server has no model loaded")))
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kimi-vision", "root": engine.model_id,
                  "parent": None} for name in engine.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
     async def respond(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
-        chat_request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
+        request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
         engine = admission.engine  # set once the server serves, which admission waited for
-        if not engine.serves(chat_request.model):
-            raise NotFound(f"the model {chat_request.model!r} does not exist here; this server serves "
+        if not engine.serves(request.model):
+            raise NotFound(f"the model {request.model!r} does not exist here; this server serves "
                            f"{list(engine.served_model_names)}")
-        # The cheap checks, before any image is fetched: their count, the sampling values, the length.
-        engine.check_image_count(len(chat_request.images))
-        # A producer samples nothing (its requests carry whatever vLLM's proxy copied over).
-        params = None if config.ec_producer else engine.sampling(chat_request.max_tokens, **chat_request.sampling)
-        images = await fetcher(engine).fetch_all(chat_request.images)  # not holding a work slot
-        chat = chat_request.chat_input(images)
+        # The cheap checks, before any item is fetched: their count and modality, the sampling, the length.
+        checked = engine.check(request.media, request.chat, request.params)
+        sink = VllmStorageSink.of(engine) if config.ec_producer else None  # (the export directory is set)
+        data = await fetcher(engine).fetch_all(request.media)  # not holding a work slot
+        media = [ref.input(item) for ref, item in zip(request.media, data, strict=True)]
         # A generation takes no work slot (the trunk's scheduler bounds generations); an encode does.
-        engine = await stack.enter_async_context(ticket.work(generation=not config.ec_producer))
-        reply = await _answer(engine, chat_request, chat, params, config)
+        engine = await stack.enter_async_context(ticket.work(generation=sink is None))
+        prepared = await engine.prepare(checked, media, request.chat)
+        reply = await _answer(engine, request, prepared, sink)
         if isinstance(reply, dict):
             return JSONResponse(reply)
         stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
@@ -302,10 +294,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
             response = await _unless_disconnected(request, respond(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
-        except SlowClient as exc:
-            return http_error(408, str(exc), "timeout_error", close=True)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error, in one place
-            return _error(failure_for(exc))
+            return error_response(failure_for(exc))
         finally:
             if not streaming:
                 await stack.aclose()
@@ -374,34 +364,34 @@ async def _unless_disconnected(request: Request, answer: Awaitable[Response]) ->
     return work.result()
 
 
-async def _answer(engine: Engine, request: ChatRequest, chat: ChatInput, params: SamplingParams | None,
-                  config: HttpConfig) -> dict[str, Any] | AsyncIterator[str]:
+async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared,
+                  sink: VllmStorageSink | None) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
     model = request.model or engine.served_model_names[0]
     reply_id = new_id()
-    if config.ec_producer:  # the files are the answer: nothing is sampled
-        encoding = await engine.encode(chat, export_dtype=EXPORT_DTYPE)
-        return _encoded(encoding, model, reply_id, request)
+    if sink is not None:  # the files are the answer: nothing is sampled
+        encoding = await engine.encode(prepared)
+        return _encoded(encoding, await sink.deliver(engine, encoding), model, reply_id, request)
     if not request.stream:
         reply = Reply()
-        async with contextlib.aclosing(engine.generate(chat, params)) as items:
+        async with contextlib.aclosing(engine.generate(prepared)) as items:
             async for item in items:
                 reply.add(item)
         return completion(reply, model=model, request_id=reply_id)
-    return _stream(engine, chat, params, model, reply_id, request.include_usage)
+    return _stream(engine, prepared, model, reply_id, request.include_usage)
 
 
-def _encoded(encoding: Encoding, model: str, reply_id: str,
+def _encoded(encoding: Encoding, delivery: Delivery, model: str, reply_id: str,
              request: ChatRequest) -> dict[str, Any] | AsyncIterator[str]:
-    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each image's key
+    """An EC producer's answer: no completion tokens; `ec_transfer_params` names each item's key
     (in the `chat.completion`; the streamed chunk has none, as vLLM's)."""
     reply = Reply()
-    image_tokens = sum(e.num_tokens for e in encoding.embeddings)
-    reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), image_tokens, 0)))
+    media_tokens = sum(e.num_tokens for e in encoding.embeddings)
+    reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), media_tokens, 0)))
     if request.stream:
         return _one_chunk(reply, model, reply_id, request.include_usage)
     body = completion(reply, model=model, request_id=reply_id)
-    body["ec_transfer_params"] = transfer_params(encoding.mm_hashes, [e.grid_thw for e in encoding.embeddings])
+    body["ec_transfer_params"] = delivery.transfer_params
     return body
 
 
@@ -415,7 +405,7 @@ async def _one_chunk(reply: Reply, model: str, reply_id: str, include_usage: boo
     yield "data: [DONE]\n\n"
 
 
-async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model: str, reply_id: str,
+async def _stream(engine: Engine, prepared: Prepared, model: str, reply_id: str,
                   include_usage: bool) -> AsyncIterator[str]:
     """Each choice's chunks as its items come: the role first (as OpenAI streams begin), its deltas
     (with the logprobs of their tokens), its finish reason; then the usage of all, then [DONE]."""
@@ -426,7 +416,7 @@ async def _stream(engine: Engine, chat: ChatInput, params: SamplingParams, model
         body = chunk(choices, model=model, request_id=reply_id, created=created, **usage)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async with contextlib.aclosing(engine.generate(chat, params)) as items:
+    async with contextlib.aclosing(engine.generate(prepared)) as items:
         async for item in items:
             if item.index not in reply.choices:
                 yield sse([{"index": item.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

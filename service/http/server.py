@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -27,8 +25,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from service.errors import BadRequest, HeadersTooLarge, ServiceError, SlowClient, failure_for
 from service.http.app import HttpApp
-from service.openai.response import error_object
+from service.http.errors import raw_response
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
 
@@ -78,22 +77,20 @@ class _GuardedH11(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         timeout = self.app_face.config.header_timeout_s
-        self._refuse(408, f"the request line and headers did not arrive within {timeout:g} s", "timeout_error")
+        self._refuse(SlowClient(f"the request line and headers did not arrive within {timeout:g} s"))
 
     def send_400_response(self, msg: str) -> None:
         """What uvicorn answers when h11 cannot parse the request."""
         limit = self.app_face.config.max_header_bytes
         if len(self.conn.trailing_data[0]) > limit:
-            self._refuse(431, f"the request line and headers are over the {limit:,}-byte limit",
-                         "invalid_request_error")
+            self._refuse(HeadersTooLarge(f"the request line and headers are over the {limit:,}-byte limit"))
         else:
-            self._refuse(400, "invalid HTTP request (not HTTP/1.1 as h11 reads it)", "invalid_request_error")
+            self._refuse(BadRequest("invalid HTTP request (not HTTP/1.1 as h11 reads it)"))
 
-    def _refuse(self, status: int, message: str, error_type: str) -> None:
-        body = json.dumps(error_object(message, error_type, status)).encode()
-        head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
-        self.transport.write(head + body)
+    def _refuse(self, error: ServiceError) -> None:
+        failure = failure_for(error)
+        status = failure.rule.http
+        self.transport.write(raw_response(failure))
         self._lingering = True
         self._unset_keepalive_if_required()
         if self.transport.can_write_eof():

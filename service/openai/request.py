@@ -3,8 +3,11 @@
 The body is the one `POST /v1/chat/completions` receives and the one an OpenAI-batch line carries
 under `body`. Messages pass to the K3 chat template nearly as they are (it reads OpenAI messages:
 string or part-list content, assistant `tool_calls`, `reasoning_content`, tool results); each
-`image_url` part becomes `{"type": "image"}` and an `ImagePart` saying where its bytes are. The
-image bytes are fetched afterwards, by the face that knows what it may read (`images.py`).
+media part becomes `{"type": "image"}` and a `MediaRef` saying where its bytes are: an `image_url`
+part by the one image-part rule of every face (`service.media.image_url`: `url` and `detail`), a
+`video_url` part as a video item (which the engine's check refuses, as K3's processor does). The
+bytes are fetched afterwards, by the face that knows what it may read (`service.fetch`). The
+sampling parameters become `SamplingParams` here, once.
 
 Every parameter a caller may send is either honoured (OpenAI's sampling parameters and vLLM's
 extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_tokens`, `ignore_eos`, ...),
@@ -13,22 +16,22 @@ nothing is silently ignored. Here only the JSON types are checked; the ranges ar
 An EC producer, which samples nothing, takes every parameter of vLLM's chat API instead
 (`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
 (those of the `openai` SDK's request types). JSON text a caller sends (an HTTP body, a gRPC JSON
-field, a batch job's JSONL line) may nest at most `MAX_JSON_DEPTH` levels: `parse_json` reads it by
-that rule on every face (`load_json` beneath it, for a reader that names bad JSON its own way), so
-a body reaches `parse_chat_request` already checked.
+field, a batch job's JSONL line) is read by one depth rule on every face (`service.jsontext`), so a
+body reaches `parse_chat_request` already parsed.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from service.engine import ChatInput, ImageInput, SamplingParams
+from service.engine import ChatInput, SamplingParams
 from service.errors import BadRequest, Unsupported
-from textcore.chat import check_chat_kwargs
+from service.media import MediaRef, image_url
+from vision.media import Modality
 
 # Parameters that change the result and that the engine honours (besides messages and tools), by
 # JSON type; each is the `SamplingParams` field of the same name.
@@ -42,47 +45,10 @@ NEUTRAL: dict[str, Any] = {"parallel_tool_calls": True}
 INERT = ("user", "metadata", "store", "service_tier")
 # OpenAI's own parameters that are chat-template keyword arguments (CHAT_KWARGS): passed to it as they are.
 TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
+# The chat's media parts, by OpenAI's part type: each holds a {"url", "detail"} spec.
+MEDIA_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO}
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
-# Far deeper than any chat or tool schema nests, far shallower than Python's recursion limit.
-MAX_JSON_DEPTH = 64
-
-
-def parse_json(raw: str | bytes, what: str) -> Any:
-    """JSON text a caller sent, parsed: not JSON, or nested deeper than `MAX_JSON_DEPTH`, is bad
-    input naming `what`."""
-    try:
-        return load_json(raw, what)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
-
-
-def load_json(raw: str | bytes, what: str) -> Any:
-    """`json.loads` by the depth rule: nested deeper than `MAX_JSON_DEPTH` is bad input naming
-    `what`; text that is not JSON raises json's own error (`ValueError`, `UnicodeDecodeError`)."""
-    too_deep = BadRequest(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise too_deep from None
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise too_deep
-    return value
-
-
-def _depth(value: Any) -> int:
-    """How deep `value` nests (a scalar: 0), without recursion (what a caller sends can be deep)."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, level = stack.pop()
-        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, level + 1)
-            if level + 1 <= MAX_JSON_DEPTH:  # no need to look deeper than the refusal
-                stack.extend((child, level + 1) for child in children)
-    return deepest
-
-
 # -- OpenAI's shapes for tools, tool_choice and response_format (openai.types.chat) --------------
 
 Check = Callable[[Any, str], None]
@@ -229,33 +195,13 @@ PRODUCER_REFUSES = ("mm_processor_kwargs", "media_io_kwargs")
 
 
 @dataclass(frozen=True)
-class ImagePart:
-    """Where one image part's bytes are, as the request gives them."""
-
-    url: str  # a data: URL, an http(s) URL, a file:// URL or a path
-    where: str  # "messages[0].content[1]"
-    uuid: str | None = None  # a client's own item id (vLLM then uses it verbatim as the item's mm_hash)
-
-
-@dataclass
 class ChatRequest:
-    messages: list[dict[str, Any]]  # the template's form: each image part is {"type": "image"}
-    images: list[ImagePart]
-    tools: list[Any] | None = None
+    chat: ChatInput  # the template's form: each media part is {"type": "image"}
+    media: list[MediaRef]  # where each media part's bytes are, in the chat's order
+    params: SamplingParams | None  # None for an EC producer, which samples nothing
     model: str | None = None
-    max_tokens: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # the SAMPLING keys the request set
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def chat_input(self, images: list[bytes]) -> ChatInput:
-        """The engine's chat, given the bytes of `images` (in order)."""
-        if len(images) != len(self.images):
-            raise ValueError(f"{len(self.images)} image parts but {len(images)} images")
-        inputs = [ImageInput(data, where=part.where, uuid=part.uuid) for data, part in zip(images, self.images,
-                                                                                              strict=True)]
-        return ChatInput(self.messages, self.tools, dict(self.chat_kwargs), inputs)
 
 
 def _int(body: Mapping[str, Any], key: str, *, minimum: int | None = None, maximum: int = 2**31 - 1) -> int | None:
@@ -328,18 +274,14 @@ def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _image_part(part: Mapping[str, Any], where: str) -> ImagePart:
-    spec = part.get("image_url")
-    url = spec.get("url") if isinstance(spec, Mapping) else spec
-    if not isinstance(url, str) or not url:
-        raise BadRequest(f"{where}: image_url.url must be a non-empty string")
+def _media_part(part: Mapping[str, Any], kind: str, where: str) -> MediaRef:
     uuid = part.get("uuid")
     if uuid is not None and (not isinstance(uuid, str) or not uuid):
         raise BadRequest(f"{where}: uuid must be a non-empty string")
-    return ImagePart(url, where, uuid)
+    return MediaRef(image_url(part.get(kind), f"{where}.{kind}"), where, MEDIA_PARTS[kind], uuid)
 
 
-def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
+def _message(message: Any, i: int, media: list[MediaRef]) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise BadRequest(f"{where} must be an object with a string role")
@@ -349,12 +291,12 @@ def _message(message: Any, i: int, images: list[ImagePart]) -> dict[str, Any]:
         parts = []
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind == "image_url":
-                images.append(_image_part(part, f"{where}.content[{k}]"))
+            if kind in MEDIA_PARTS:
+                media.append(_media_part(part, kind, f"{where}.content[{k}]"))
                 parts.append({"type": "image"})
             elif kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("input_audio", "audio_url", "video_url", "file"):
+            elif kind in ("input_audio", "audio_url", "file"):
                 raise Unsupported(f"{where}.content[{k}]: {kind} parts are not supported; Kimi-K3 takes images "
                                   "and text")
             else:
@@ -381,8 +323,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
-    images: list[ImagePart] = []
-    template_messages = [_message(m, i, images) for i, m in enumerate(messages)]
+    media: list[MediaRef] = []
+    template_messages = [_message(m, i, media) for i, m in enumerate(messages)]
     tools = body.get("tools")
     _check_tools(tools, body.get("tool_choice"), body.get("response_format"))
     model = body.get("model")
@@ -391,9 +333,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1)
-    sampling = sampling_options(body)
     # the ranges (a SamplingError), before any image is fetched (max_tokens absent: the model length's)
-    SamplingParams(**sampling, max_new_tokens=max_tokens)
+    params = SamplingParams(**sampling_options(body), max_new_tokens=max_tokens)
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise BadRequest(f"stream must be true or false, got {stream!r}")
@@ -404,11 +345,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
-    # Every keyword argument the template takes, as vLLM passes them: the error ChatInput gives (every face's).
-    check_chat_kwargs(extra)
-    chat_kwargs.update(extra)
-    return ChatRequest(template_messages, images, tools, model, max_tokens, sampling, bool(stream),
-                       bool(options.get("include_usage")), chat_kwargs)
+    chat_kwargs.update(extra)  # every keyword argument the template takes, as vLLM passes them (ChatInput checks)
+    return ChatRequest(ChatInput(template_messages, tools, chat_kwargs), media, params, model, bool(stream),
+                       bool(options.get("include_usage")))
 
 
 def parse_producer_request(body: Any) -> ChatRequest:
@@ -429,4 +368,5 @@ def parse_producer_request(body: Any) -> ChatRequest:
     if isinstance(transfer, Mapping) and transfer.get("consumer_zmq") is not None:
         raise Unsupported("ec_transfer_params.consumer_zmq (a push to vLLM's Mooncake EC consumer) is not supported; "
                           "this encoder publishes files for the shared-storage connector (ECExampleConnector)")
-    return parse_chat_request({key: body[key] for key in PRODUCER_READS if key in body})
+    request = parse_chat_request({key: body[key] for key in PRODUCER_READS if key in body})
+    return dataclasses.replace(request, params=None)

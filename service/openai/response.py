@@ -18,26 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine import Choice, GenerationResult, Logprobs, TokenLogprob
-from service.errors import Failure, Kind
+from service.errors import Failure
 from textcore import parser as p
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's logprob for a token too unlikely to have one (JSON has no -inf)
-
-# OpenAI's error `type` for each kind (the HTTP status is the taxonomy's).
-ERROR_TYPES = {
-    Kind.BAD_INPUT: "invalid_request_error",
-    Kind.TOO_LARGE: "invalid_request_error",
-    Kind.UNSUPPORTED: "invalid_request_error",
-    Kind.NOT_CONFIGURED: "invalid_request_error",
-    Kind.NOT_FOUND: "invalid_request_error",
-    Kind.UNAUTHENTICATED: "authentication_error",
-    Kind.OVERLOADED: "rate_limit_error",
-    Kind.UNAVAILABLE: "service_unavailable_error",
-    Kind.DEADLINE: "timeout_error",
-    Kind.CANCELLED: "cancelled_error",
-    Kind.INTERNAL: "server_error",
-}
-
 
 def new_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -171,11 +155,7 @@ def chunk(choices: list[dict[str, Any]], *, model: str, request_id: str, created
 
 
 def error_body(failure: Failure) -> dict[str, Any]:
-    """The OpenAI error object; `code` is the HTTP status (as vLLM's server sends it)."""
-    return error_object(failure.message, ERROR_TYPES[failure.kind], failure.rule.http)
-
-
-def error_object(message: str, error_type: str, status: int) -> dict[str, Any]:
-    """The OpenAI error object for a status of HTTP itself (404, 405, 408, 431), which no kind of
-    the taxonomy stands for."""
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+    """The OpenAI error object: its `type` is the kind's (`service.errors.RULES`), `code` the HTTP
+    status (as vLLM's server sends it)."""
+    return {"error": {"message": failure.message, "type": failure.rule.openai_type, "param": None,
+                      "code": failure.rule.http}}

@@ -1,4 +1,4 @@
-"""Protobuf <-> engine types: requests become `ImageInput`/`ChatInput`/`SamplingParams`, engine
+"""Protobuf <-> engine types: requests become `MediaInput`/`ChatInput`/`SamplingParams`, engine
 results become messages and raw tensor bytes. Nothing here does model work; what the wire format
 alone decides (a JSON text field, a media type, a dtype name) is checked here."""
 
@@ -11,22 +11,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine import (
-    ChatInput,
-    Choice,
-    Engine,
-    GenerationResult,
-    ImageInput,
-    Logprobs,
-    SamplingParams,
-    TokenLogprob,
-)
+from service.engine import ChatInput, Choice, GenerationResult, Logprobs, MediaInput, SamplingParams, TokenLogprob
 from service.errors import BadRequest, Unsupported
-from service.openai.request import parse_json
+from service.jsontext import parse_json
+from service.media import check_detail
 from service.rpc._proto import vision_pb2 as pb
 from textcore import parser as p
 from vision.buffers import BufferPool
 from vision.errors import ImageOptionsError
+from vision.media import Modality
 from vision.options import ImageOptions
 from vision.preprocess import Preprocessed, patchify_normalise
 
@@ -38,14 +31,19 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
-def image_input(image: pb.Image, where: str = "") -> ImageInput:
-    """`where` locates the image in a chat (empty for the single-image RPCs)."""
+# The media type's family names the item's modality (no type: an image).
+MODALITIES = {"image": Modality.IMAGE, "video": Modality.VIDEO}
+
+
+def media_input(image: pb.Image, where: str = "") -> MediaInput:
+    """`where` locates the item in a chat (empty for the single-item RPCs). Its modality is what its
+    media type says (the engine's check refuses what the model does not take)."""
     label = where or "image"
     mime = image.mime_type.strip().lower()
-    if mime.startswith("video/"):
-        raise Unsupported(f"{label}: video ({mime}) is not supported; Kimi-K3 takes images only")
-    if mime and not mime.startswith("image/"):
+    modality = MODALITIES.get(mime.partition("/")[0]) if mime else Modality.IMAGE
+    if modality is None:
         raise Unsupported(f"{label}: media type {mime!r} is not supported; send an image")
+    check_detail(image.detail, label)
     o = image.options
     try:
         options = ImageOptions(max_tokens=o.max_tokens or None, exif_transpose=o.exif_transpose,
@@ -53,7 +51,7 @@ def image_input(image: pb.Image, where: str = "") -> ImageInput:
     except ImageOptionsError as exc:
         raise BadRequest(f"{label}: options: {exc}") from None
     # One read of `data`: each read of a protobuf bytes field copies it.
-    return ImageInput(data=image.data, options=options, where=where, uuid=image.uuid or None)
+    return MediaInput(image.data, modality, options, where, image.uuid or None)
 
 
 def _json_field(text: str, name: str, kind: type) -> Any:
@@ -66,11 +64,11 @@ def _json_field(text: str, name: str, kind: type) -> Any:
 
 
 def chat_input(messages: Sequence[pb.ChatMessage], tools_json: str, thinking_effort: str,
-               chat_kwargs_json: str) -> ChatInput:
-    """The chat as the template's dicts, with each image part in order."""
+               chat_kwargs_json: str) -> tuple[ChatInput, list[MediaInput]]:
+    """The chat as the template's dicts, and its media parts' items in order."""
     if not messages:
         raise BadRequest("messages is empty")
-    images: list[ImageInput] = []
+    images: list[MediaInput] = []
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role}
@@ -80,7 +78,7 @@ def chat_input(messages: Sequence[pb.ChatMessage], tools_json: str, thinking_eff
             if which == "text":
                 parts.append({"type": "text", "text": part.text})
             elif which == "image":
-                images.append(image_input(part.image, f"messages[{i}].content[{k}]"))
+                images.append(media_input(part.image, f"messages[{i}].content[{k}]"))
                 parts.append({"type": "image"})
             else:
                 raise BadRequest(f"messages[{i}].content[{k}] is neither text nor image")
@@ -101,15 +99,15 @@ def chat_input(messages: Sequence[pb.ChatMessage], tools_json: str, thinking_eff
         kwargs["thinking_effort"] = None  # named by the template's message, but it injects nothing
     elif thinking_effort:
         kwargs["thinking_effort"] = thinking_effort
-    return ChatInput(messages=out, tools=tools, kwargs=kwargs, images=images)
+    return ChatInput(out, tools, kwargs), images
 
 
-def sampling(engine: Engine, request: pb.GenerateRequest) -> SamplingParams:
+def sampling(request: pb.GenerateRequest) -> SamplingParams:
     """The request's `Sampling` as `SamplingParams` (a field's zero, or its absence for the optional
-    ones, is its neutral value)."""
+    ones, is its neutral value; `max_new_tokens` 0: what the prompt leaves of the model length)."""
     s = request.sampling
-    return engine.sampling(
-        request.max_new_tokens or None, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+    return SamplingParams(
+        max_new_tokens=request.max_new_tokens or None, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         n=s.n or 1, logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,

@@ -11,10 +11,12 @@ from contextlib import AbstractAsyncContextManager
 import grpc
 
 from service.engine import Engine
+from service.epd.vllm_storage import VllmStorageSink, item_key
 from service.errors import BadRequest
 from service.rpc import convert
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc._proto import vision_pb2_grpc as pb_grpc
+from textcore.tokenizer import MEDIA_PAD_ID
 from vision.options import DEFAULT_OPTIONS
 
 # Admission and the error mapping around one RPC's body, yielding the engine (`GrpcFace.call`;
@@ -30,7 +32,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
     async def Preprocess(self, request: pb.PreprocessRequest,
                          context: grpc.aio.ServicerContext) -> pb.PreprocessResponse:
         async with self._call(context) as engine:
-            pre = await engine.preprocess(convert.image_input(request.image))
+            pre = await engine.preprocess(convert.media_input(request.image))
             reply = pb.PreprocessResponse(
                 orig_width=pre.orig_size[0], orig_height=pre.orig_size[1], width=pre.size[0], height=pre.size[1],
                 padded_width=pre.padded_size[0], padded_height=pre.padded_size[1], grid_thw=list(pre.grid_thw),
@@ -46,20 +48,22 @@ class VisionService(pb_grpc.VisionServiceServicer):
         async with self._call(context) as engine:
             which = request.WhichOneof("input")
             if which == "image":
-                n = (await engine.plan(convert.image_input(request.image))).num_tokens
+                media = [convert.media_input(request.image)]
+                (n,) = (await engine.prepare(engine.check(media), media)).media_tokens
                 return pb.CountTokensResponse(num_tokens=n, image_tokens=[n])
             if which == "chat":
                 c = request.chat
-                counts = await engine.count_chat_tokens(
-                    convert.chat_input(c.messages, c.tools_json, c.thinking_effort, c.chat_kwargs_json))
-                return pb.CountTokensResponse(num_tokens=counts.total, image_tokens=counts.image_tokens,
-                                              text_tokens=counts.total - sum(counts.image_tokens))
+                chat, media = convert.chat_input(c.messages, c.tools_json, c.thinking_effort, c.chat_kwargs_json)
+                prepared = await engine.prepare(engine.check(media, chat), media, chat)
+                total, media_tokens = len(prepared.prompt.ids), prepared.media_tokens
+                return pb.CountTokensResponse(num_tokens=total, image_tokens=media_tokens,
+                                              text_tokens=total - sum(media_tokens))
             raise BadRequest("CountTokens needs an image or a chat")
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EmbedChunk]:
         async with self._call(context) as engine:
             dtype = convert.out_dtype(request.dtype)
-            (emb,) = await engine.embed([convert.image_input(request.image)])
+            (emb,) = await engine.embed([convert.media_input(request.image)])
             data = await engine.run_cpu(convert.tensor_bytes, emb.rows, dtype)
             yield pb.EmbedChunk(header=pb.EmbedHeader(
                 num_tokens=emb.num_tokens, hidden_size=emb.rows.shape[1], dtype=dtype, shape=list(emb.rows.shape),
@@ -73,21 +77,23 @@ class VisionService(pb_grpc.VisionServiceServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EncodeChunk]:
         async with self._call(context) as engine:
             dtype = convert.out_dtype(request.dtype)
-            chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
-                                      request.chat_kwargs_json)
-            export = convert.TORCH_DTYPES[dtype] if request.export_vllm_ec else None
-            encoding = await engine.encode(chat, export_dtype=export)
+            chat, media = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
+                                             request.chat_kwargs_json)
+            checked = engine.check(media, chat)
+            # vLLM's key of every item; with export_vllm_ec, its file too (the export directory is set).
+            vllm = VllmStorageSink.of(engine, convert.TORCH_DTYPES[dtype]) if request.export_vllm_ec else None
+            encoding = await engine.encode(await engine.prepare(checked, media, chat))
+            keys = [item_key(item.data, item.uuid, engine.model_id, engine.config.hash_algorithm) for item in media]
+            paths = (await vllm.deliver(engine, encoding)).locations if vllm is not None else [""] * len(media)
             rows = [e.rows for e in encoding.embeddings]
             data = b"".join([await engine.run_cpu(convert.tensor_bytes, r, dtype) for r in rows])
-            ec_paths = [str(path) for path in encoding.ec_paths] or [""] * len(rows)
             yield pb.EncodeChunk(header=pb.EncodeHeader(
                 input_ids=encoding.input_ids, position_ids=encoding.position_ids, hidden_size=engine.hidden_size,
                 dtype=dtype, num_rows=sum(e.num_tokens for e in encoding.embeddings), nbytes=len(data),
-                media_pad_id=engine.media_pad_id,
+                media_pad_id=MEDIA_PAD_ID,
                 spans=[pb.ImageSpan(offset=s.offset, length=s.length, content_hash=e.content_hash,
                                     grid_thw=list(e.grid_thw), ec_path=path, mm_hash=key)
-                       for s, e, path, key in zip(encoding.spans, encoding.embeddings, ec_paths, encoding.mm_hashes,
-                                                  strict=True)],
+                       for s, e, path, key in zip(encoding.spans, encoding.embeddings, paths, keys, strict=True)],
             ))
             for piece in convert.chunks(data):
                 yield pb.EncodeChunk(data=bytes(piece))
@@ -95,12 +101,13 @@ class VisionService(pb_grpc.VisionServiceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
         async with self._call(context, generation=True) as engine:
-            chat = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
-                                      request.chat_kwargs_json)
-            params = convert.sampling(engine, request)
+            chat, media = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
+                                             request.chat_kwargs_json)
+            checked = engine.check(media, chat, convert.sampling(request))
+            prepared = await engine.prepare(checked, media, chat)
             # aclosing: leaving early (cancelled, deadline) closes the generation at once, which
             # stops the trunk at its next token.
-            async with contextlib.aclosing(engine.generate(chat, params)) as items:
+            async with contextlib.aclosing(engine.generate(prepared)) as items:
                 async for item in items:
                     message = convert.event(item)
                     if message is not None:

@@ -27,16 +27,18 @@ class ImageOptions(_message.Message):
     def __init__(self, exif_transpose: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., resize: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type", "options", "uuid")
+    __slots__ = ("data", "mime_type", "options", "uuid", "detail")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
     options: ImageOptions
     uuid: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[ImageOptions, _Mapping]] = ..., uuid: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[ImageOptions, _Mapping]] = ..., uuid: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -1,4 +1,4 @@
-"""Fetching the bytes of `image_url` parts, by the rules of the face that asks.
+"""Fetching the bytes of a request's media (`service.media.MediaRef`), by the rules of the face that asks.
 
 - `data:` URLs (base64) are always read: the bytes travel in the request.
 - Local files (a path or a `file://` URL) only where the face names a base directory (a batch
@@ -43,7 +43,7 @@ import httpcore
 import httpx
 
 from service.errors import BadRequest, TooLarge, Unavailable
-from service.openai.request import ImagePart
+from service.media import MediaRef
 
 # httpx logs every request's URL at INFO: a caller's URL (a signed query, a token) stays out of the log.
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -147,8 +147,8 @@ class _CheckedTransport(httpx.AsyncBaseTransport):
         await self._pool.aclose()
 
 
-class ImageFetcher:
-    """The bytes of image parts, by one face's rules. One per server (or batch job): its bound on
+class MediaFetcher:
+    """The bytes of media items, by one face's rules. One per server (or batch job): its bound on
     remote fetches is shared by every request that uses it."""
 
     def __init__(self, max_bytes: int, *, allow_remote: bool = False, base_dir: Path | None = None,
@@ -166,7 +166,7 @@ class ImageFetcher:
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._ssl: ssl.SSLContext | None = None
 
-    async def fetch_all(self, parts: Sequence[ImagePart]) -> list[bytes]:
+    async def fetch_all(self, parts: Sequence[MediaRef]) -> list[bytes]:
         """Every part's bytes, in order, the remote ones fetched concurrently; all of them within
         `timeout_s`. The first failure (in the parts' order) is raised, the other fetches stopped."""
         remote = [part for part in parts if _scheme(part.url) in ("http", "https")]
@@ -190,14 +190,14 @@ class ImageFetcher:
             raise failed
         return [task.result() for task in tasks]
 
-    async def fetch(self, part: ImagePart) -> bytes:
+    async def fetch(self, part: MediaRef) -> bytes:
         """One part's bytes."""
         if _scheme(part.url) not in ("http", "https"):
             return await self._one(part, None)
         async with self._client() as client:
             return await self._one(part, client)
 
-    async def _one(self, part: ImagePart, client: httpx.AsyncClient | None) -> bytes:
+    async def _one(self, part: MediaRef, client: httpx.AsyncClient | None) -> bytes:
         url = part.url
         if url.startswith("data:"):
             return self._data_url(part)
@@ -223,7 +223,7 @@ class ImageFetcher:
         return httpx.AsyncClient(transport=_CheckedTransport(self._ssl, trusted), timeout=self.timeout_s,
                                  follow_redirects=False, trust_env=False, headers={"accept-encoding": "identity"})
 
-    def _data_url(self, part: ImagePart) -> bytes:
+    def _data_url(self, part: MediaRef) -> bytes:
         header, sep, payload = part.url.partition(",")
         if not sep or not header.endswith(";base64"):
             raise BadRequest(f"{part.where}: a data: URL must be base64 (data:image/...;base64,...)")
@@ -235,7 +235,7 @@ class ImageFetcher:
         except (binascii.Error, ValueError) as e:
             raise BadRequest(f"{part.where}: data: URL is not valid base64: {e}") from None
 
-    def _local(self, part: ImagePart) -> bytes:
+    def _local(self, part: MediaRef) -> bytes:
         if self.base_dir is None:
             raise BadRequest(f"{part.where}: this server does not read local files; send a data: URL"
                              + (" or an http(s) URL" if self.allow_remote else ""))
@@ -262,7 +262,7 @@ class ImageFetcher:
             raise BadRequest(f"{where}: the URL must be from one of the allowed domains "
                              f"{sorted(self.allowed_domains)}; this one is from {url.host!r}")
 
-    async def _remote(self, part: ImagePart, client: httpx.AsyncClient) -> bytes:
+    async def _remote(self, part: MediaRef, client: httpx.AsyncClient) -> bytes:
         where = f"{part.where}: {part.url}"
         if not self.allow_remote:
             raise BadRequest(f"{part.where}: remote image URLs are not fetched unless the server or job runs with "

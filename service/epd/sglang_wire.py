@@ -6,11 +6,11 @@ The pickle is what SGLang's receiver unpickles with its allow-list (`SafeUnpickl
 sglang/srt/utils/common.py): an instance of `sglang.srt.disaggregation.encoder.receiver.EmbeddingData`
 holding the attributes its encoder sends (`EmbeddingData.copy_without_embedding`, in the order its
 `__init__` sets them): `req_id`, `num_parts`, `part_idx`, `grid_dim` (int64 tensor, one `[t, h, w]`
-row per image), `modality` (`sglang.srt.multimodal.modality.Modality.IMAGE`), `embedding` (None:
-the rows are the second frame), `send_time`, `dtype` (torch.bfloat16), `shape` ([rows, hidden]),
-`_mr_ptr`, `error_msg`, `error_code`, then the aux data its Kimi-K3 encoder adds (`video_timestamps`,
-`second_per_grid_ts`: None; `original_image_sizes`: one `[width, height]` per image, which K3's
-SGLang processor writes into the prompt). A failed part carries `error_msg` and `error_code` (the
+row per image), `modality` (SGLang's `Modality`, mapped from the item's by `WIRE_MODALITY`),
+`embedding` (None: the rows are the second frame), `send_time`, `dtype` (torch.bfloat16), `shape`
+([rows, hidden]), `_mr_ptr`, `error_msg`, `error_code`, then the aux data its Kimi-K3 encoder adds
+(`video_timestamps`, `second_per_grid_ts`: None; `original_image_sizes`: one `[width, height]` per
+image, which K3's SGLang processor writes into the prompt). A failed part carries `error_msg` and `error_code` (the
 HTTP status) and no grid, dtype or shape; the receiver then fails the request at once.
 
 SGLang is never imported: the two SGLang class names are written into the pickle by name
@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from vision.media import Modality
+
 SGLANG_VERSION = "0.5.23"
 ROW_DTYPE = torch.bfloat16  # what SGLang's Kimi-K3 language model runs in (its encoder sends its param dtype)
 PICKLE_PROTOCOL = 4  # the first with STACK_GLOBAL; SGLang's encoder pickles with Python's default (4 or 5)
@@ -39,8 +41,15 @@ class _EmbeddingData:
         self.__dict__.update(state)
 
 
-class _Modality(Enum):  # sglang.srt.multimodal.modality.Modality: IMAGE = auto() = 1
+class _Modality(Enum):  # sglang.srt.multimodal.modality.Modality: IMAGE, VIDEO, AUDIO = auto()
     IMAGE = 1
+    VIDEO = 2
+    AUDIO = 3
+
+
+# SGLang's name of each of our modalities, both ways: the request's `modality` field is its name.
+WIRE_MODALITY = {Modality.IMAGE: _Modality.IMAGE, Modality.VIDEO: _Modality.VIDEO}
+MODALITY_NAMES = {wire.name: ours for ours, wire in WIRE_MODALITY.items()}
 
 
 _WIRE_NAMES = {_EmbeddingData: ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
@@ -69,12 +78,13 @@ def _pickled(state: dict[str, Any]) -> bytes:
     return out.getvalue()
 
 
-def _head(req_id: str, num_parts: int, part_idx: int, grid: torch.Tensor | None) -> dict[str, Any]:
+def _head(req_id: str, num_parts: int, part_idx: int, grid: torch.Tensor | None,
+          modality: Modality) -> dict[str, Any]:
     return {"req_id": req_id, "num_parts": num_parts, "part_idx": part_idx, "grid_dim": grid,
-            "modality": _Modality.IMAGE, "embedding": None, "send_time": None}
+            "modality": WIRE_MODALITY[modality], "embedding": None, "send_time": None}
 
 
-def part_frames(req_id: str, num_parts: int, part_idx: int, rows: torch.Tensor,
+def part_frames(req_id: str, num_parts: int, part_idx: int, modality: Modality, rows: torch.Tensor,
                 grids: Sequence[tuple[int, int, int]], sizes: Sequence[tuple[int, int]]) -> list[Any]:
     """The message for one encoded part: its images' rows ([tokens, hidden], ROW_DTYPE, in image
     order), each image's grid and original (width, height)."""
@@ -83,14 +93,15 @@ def part_frames(req_id: str, num_parts: int, part_idx: int, rows: torch.Tensor,
     if len(grids) != len(sizes):
         raise ValueError(f"{len(grids)} grids but {len(sizes)} image sizes")
     rows = rows.contiguous()
-    state = _head(req_id, num_parts, part_idx, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3))
+    state = _head(req_id, num_parts, part_idx, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3), modality)
     state.update(dtype=rows.dtype, shape=list(rows.shape), _mr_ptr=None, error_msg=None, error_code=None,
                  video_timestamps=None, second_per_grid_ts=None, original_image_sizes=[list(s) for s in sizes])
     return [_pickled(state), memoryview(rows.view(torch.uint8).numpy())]
 
 
-def error_frames(req_id: str, num_parts: int, part_idx: int, message: str, status: int) -> list[bytes]:
+def error_frames(req_id: str, num_parts: int, part_idx: int, modality: Modality, message: str,
+                 status: int) -> list[bytes]:
     """The message for a part that failed: SGLang's receiver fails the whole request on it."""
-    state = _head(req_id, num_parts, part_idx, None)
+    state = _head(req_id, num_parts, part_idx, None, modality)
     state.update(dtype=None, shape=None, _mr_ptr=None, error_msg=message, error_code=int(status))
     return [_pickled(state)]

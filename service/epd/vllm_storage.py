@@ -1,4 +1,5 @@
-"""vLLM's encoder cache, from the producer's side: the key vLLM looks an image up by, and the file.
+"""vLLM's shared-storage encoder-cache transport, from the producer's side: the key vLLM looks an
+item up by, the file, and what the producer's reply tells the proxy (`VllmStorageSink`).
 
 vLLM's shared-storage encoder-cache connector (`ECExampleConnector`, encoder disaggregation)
 loads `<dir>/<mm_hash>/encoder_cache.safetensors` and takes its single tensor `ec_cache`
@@ -19,6 +20,7 @@ import hashlib
 import re
 import struct
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,13 @@ import blake3
 import torch
 from safetensors.torch import save_file
 
+from service.engine import Encoding, Engine
+from service.engine.config import HASH_ALGORITHMS
+from service.epd.base import Delivery, Sink
+from service.errors import NotConfigured
 from service.files import atomic_path
+from vision.media import Modality
 
-DEFAULT_MODEL_ID = "moonshotai/Kimi-K3"  # what `vllm serve` is given for the release
-HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm (blake3 its default)
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
 _HASH = re.compile(r"^[0-9a-zA-Z_-]{1,128}$")
@@ -83,15 +88,50 @@ def write_ec(directory: str | Path, mm_hash: str, embedding: torch.Tensor) -> Pa
     return target
 
 
-def transfer_params(keys: Sequence[str], grids: Sequence[tuple[int, int, int]]) -> dict[str, dict[str, Any]]:
+def transfer_params(keys: Sequence[str], modalities: Sequence[Modality],
+                    grids: Sequence[tuple[int, int, int]]) -> dict[str, dict[str, Any]]:
     """A producer's `ec_transfer_params`, in vLLM's schema (`collect_ec_item_metadata`,
-    vllm/distributed/ec_transfer/ec_connector/utils.py): per key, in first-seen order, the modality,
-    the positions of the request's images filed under it (`item_indices`), and the placeholder
-    metadata, K3's `grid_thws` of the image ([t, h, w] patches: h * w / 4 tokens), which vLLM's proxy
-    turns into an `image_embeds` reference for the decoder."""
+    vllm/distributed/ec_transfer/ec_connector/utils.py): per key, in first-seen order, the item's
+    modality, the positions of the request's items filed under it (`item_indices`), and the
+    placeholder metadata, K3's `grid_thws` of the item ([t, h, w] patches: h * w / 4 tokens), which
+    vLLM's proxy turns into an `image_embeds` reference for the decoder."""
     params: dict[str, dict[str, Any]] = {}
-    for index, (key, grid) in enumerate(zip(keys, grids, strict=True)):
-        entry = params.setdefault(key, {"modality": "image", "item_indices": []})
+    for index, (key, modality, grid) in enumerate(zip(keys, modalities, grids, strict=True)):
+        entry = params.setdefault(key, {"modality": modality.value, "item_indices": []})
         entry["metadata"] = {"grid_thws": list(grid)}
         entry["item_indices"].append(index)
     return params
+
+
+@dataclass(frozen=True)
+class VllmStorageSink(Sink):
+    """Each item's rows, cast to `dtype` (vLLM's activation dtype for K3, bf16), written under
+    `directory` by the key vLLM computes for it; the delivery's transfer params are vLLM's."""
+
+    directory: Path
+    model_id: str
+    algorithm: str
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def of(cls, engine: Engine, dtype: torch.dtype = torch.bfloat16) -> VllmStorageSink:
+        """The engine's export directory (`--ec-export-dir`), model id and hash algorithm."""
+        directory = engine.config.ec_export_dir
+        if directory is None:
+            raise NotConfigured("exporting vLLM encoder-cache files needs the server to run with --ec-export-dir")
+        return cls(Path(directory), engine.model_id, engine.config.hash_algorithm, dtype)
+
+    def keys(self, encoding: Encoding) -> list[str]:
+        return [item_key(item.data, item.uuid, self.model_id, self.algorithm) for item in encoding.media]
+
+    def write(self, encoding: Encoding) -> Delivery:
+        """Blocking: run it off the event loop (`Engine.run_cpu`)."""
+        keys = self.keys(encoding)
+        paths = [str(write_ec(self.directory, key, e.rows.to(self.dtype)))
+                 for key, e in zip(keys, encoding.embeddings, strict=True)]
+        params = transfer_params(keys, [item.modality for item in encoding.media],
+                                 [e.grid_thw for e in encoding.embeddings])
+        return Delivery(params, paths)
+
+    async def deliver(self, engine: Engine, encoding: Encoding, destination: None = None) -> Delivery:
+        return await engine.run_cpu(self.write, encoding)

@@ -1,0 +1,27 @@
+"""The one protocol of an encoder-disaggregation transport: an encoding in; its delivery, and what
+the consumer's side needs to find it, out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from service.engine import Encoding, Engine
+
+
+@dataclass(frozen=True)
+class Delivery:
+    transfer_params: dict[str, Any]  # what the reply carries for the consumer (vLLM's ec_transfer_params)
+    locations: list[str]  # where each item went (a file; a host:port), in the request's order
+
+
+class Sink(ABC):
+    """Where encodings go: another engine's prefill. `destination` is what the transport's route
+    said (None where the sink alone knows: a directory)."""
+
+    @abstractmethod
+    async def deliver(self, engine: Engine, encoding: Encoding, destination: Any = None) -> Delivery: ...
+
+    def close(self) -> None:  # noqa: B027 - a sink that holds nothing has nothing to close
+        """Once the server stopped serving: what the sink holds (sockets)."""
