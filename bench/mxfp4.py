@@ -22,7 +22,7 @@ import torch
 from bench.common import best_of
 from textcore import mxfp4
 
-# (name, out_features, in_features) of the routed experts (K3_FACTS section 4).
+# (name, out_features, in_features) of the routed experts (docs/MODEL.md §11).
 SHAPES = [("w1/w3 3584->3072", 3072, 3584), ("w2 3072->3584", 3584, 3072)]
 
 

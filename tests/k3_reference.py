@@ -1,5 +1,5 @@
-"""The plain, straightforward Kimi-K3 image preprocessing, written from K3_FACTS section 2 line by
-line with no optimisation. Tests hold the project path to it bit for bit; bench/preprocess.py
+"""The plain, straightforward Kimi-K3 image preprocessing, written from docs/MODEL.md §4-§6 step
+by step with no optimisation. Tests hold the project path to it bit for bit; bench/preprocess.py
 times it as "the straightforward path"."""
 
 from __future__ import annotations

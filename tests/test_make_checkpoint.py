@@ -21,7 +21,7 @@ from vision.encoder import VisionEncoder
 from vision.projector import Projector
 from vision.tower import VisionTower
 
-# K3_FACTS section 2: the release's processor config.
+# docs/MODEL.md §3: the release's processor config.
 RELEASE_MEDIA_PROC_CFG = {
     "in_patch_limit": 65536,
     "patch_size": 14,
@@ -103,7 +103,7 @@ def test_tiny_layout(tiny_dir):
     assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
     written = json.loads((tiny_dir / "preprocessor_config.json").read_text())
     assert written == {"media_proc_cfg": RELEASE_MEDIA_PROC_CFG}
-    assert config["media_placeholder_token_id"] == 163605  # K3_FACTS section 6
+    assert config["media_placeholder_token_id"] == 163605  # docs/MODEL.md §13
     ckpt = Checkpoint(tiny_dir)
     t = PRESETS["tiny"]
     expected = release_names(t.vt_num_hidden_layers, t.vt_hidden_size, t.qkv_hidden_size, 128, t.text_hidden_size)

@@ -1,5 +1,5 @@
-"""The NaViT size rule: K3_FACTS worked examples, a property test, the max_tokens cap, and
-header-only counting against the full path."""
+"""The NaViT size rule: the worked examples of docs/MODEL.md §5, a property test, the max_tokens
+cap, and header-only counting against the full path."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from vision.checkpoint import INDEX_FILE, Checkpoint, write_checkpoint
 
 EXTRA_FILES = {"tiktoken.model": b"\x00\x01 not json \xff", "tokenizer_config.json": b'{"a": 1}\n'}
 # What the release packs with the K3 config, by name (independent of the module code): the routed
-# experts' w1/w2/w3 only (the latent MoE projections around them stay dense, K3_FACTS section 5).
+# experts' w1/w2/w3 only (the latent MoE projections around them stay dense, docs/MODEL.md §12).
 PACKED = re.compile(r"language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]$")
 
 

@@ -144,7 +144,7 @@ def test_preprocess_matches_in_process(rpc_client):
     assert (reply.width, reply.height) == ref.size
     assert (reply.padded_width, reply.padded_height) == ref.padded_size
     assert tuple(reply.grid_thw) == ref.grid_thw
-    assert reply.num_tokens == ref.num_tokens == 72  # K3_FACTS example: 225x223 -> 72
+    assert reply.num_tokens == ref.num_tokens == 72  # docs/MODEL.md §5 example: 225x223 -> 72
     assert reply.prompt == ref.prompt == "<|media_begin|>image 225x223<|media_content|><|media_pad|><|media_end|>"
     assert not reply.HasField("pixel_values")
 
@@ -159,7 +159,7 @@ def test_preprocess_matches_in_process(rpc_client):
 
 def test_count_tokens_image_and_chat(rpc_client):
     data = jpeg(1920, 1080)
-    assert rpc_client.count_tokens(data).num_tokens == 2691  # K3_FACTS example
+    assert rpc_client.count_tokens(data).num_tokens == 2691  # docs/MODEL.md §5 example
     assert rpc_client.count_tokens(data).image_tokens == [2691]
     small = png(100, 60)
     chat = [user("Compare", small, "with", png(56, 56, seed=2))]

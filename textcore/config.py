@@ -1,4 +1,4 @@
-"""KimiLinear text-trunk configuration: the K3 numbers (K3_FACTS section 4) and a tiny test preset.
+"""KimiLinear text-trunk configuration: the K3 numbers (docs/MODEL.md §10) and a tiny test preset.
 
 `TextConfig.from_dict` reads the published `text_config` (or a text-only `config.json`), nesting
 `linear_attn_config` as the release does; `to_dict` writes the same form back.

@@ -3,7 +3,7 @@
 SiTU(g, u) = beta tanh(g / beta) sigmoid(g) * lb tanh(u / lb), beta = 4, lb = 25, computed in fp32
 and cast once at the end; g and u are the two halves of cat([w1 x, w3 x]) (not interleaved).
 
-Latent MoE (K3_FACTS section 4): an fp32 sigmoid router on the full-width x picks the top-k experts
+Latent MoE (docs/MODEL.md §11): an fp32 sigmoid router on the full-width x picks the top-k experts
 by score + e_score_correction_bias but weights them by the unbiased scores, renormalised and
 scaled; the routed experts run in a narrower latent space (down proj -> experts -> weighted sum
 -> RMSNorm -> up proj); the shared experts (one SiTU MLP) run on the original x.

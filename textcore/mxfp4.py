@@ -1,4 +1,4 @@
-"""MXFP4 weights in the compressed-tensors `mxfp4-pack-quantized` layout (K3_FACTS section 5).
+"""MXFP4 weights in the compressed-tensors `mxfp4-pack-quantized` layout (docs/MODEL.md §12).
 
 A quantised linear layer `X` is stored as two uint8 tensors:
 - `X.weight_packed` `[out, in/2]`: E2M1 codes, two per byte, the even column in the low nibble.
@@ -42,7 +42,7 @@ _ROUND_UP_FROM = (0.75, 1.75, 3.5)
 PACKED_SUFFIX = "weight_packed"
 SCALE_SUFFIX = "weight_scale"
 
-# The published K3 config (K3_FACTS section 5): weight-only MXFP4 on every Linear except the
+# The published K3 config (docs/MODEL.md §12): weight-only MXFP4 on every Linear except the
 # ignored ones, which in practice leaves only the routed experts' w1/w2/w3 packed.
 K3_QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": QUANT_METHOD,
@@ -77,7 +77,7 @@ K3_QUANTIZATION_CONFIG: dict[str, Any] = {
 }
 
 
-# What the release actually stores packed: only the routed experts' w1/w2/w3 (K3_FACTS section 5).
+# What the release actually stores packed: only the routed experts' w1/w2/w3 (docs/MODEL.md §12).
 # Its config's ignore list leaves routed_expert_{down,up}_proj targeted too, yet the release keeps
 # them dense, and the peers that load it (NeMo Automodel's adapter, SGLang) read them dense. The
 # loader goes by the tensors present, so it takes either.

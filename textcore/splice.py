@@ -2,7 +2,7 @@
 
 The chat template puts one `<|media_pad|>` in each image's prompt
 (`<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`). At embedding time
-each media_pad stands for `num_tokens` projector rows (K3_FACTS section 2). We pre-expand: the
+each media_pad stands for `num_tokens` projector rows (docs/MODEL.md §6). We pre-expand: the
 k-th media_pad becomes `num_tokens[k]` media_pad ids, so the expanded id sequence has one id per
 trunk input row. That is also the form a downstream engine prefills (`Encode`). Position ids are
 re-laid after the expansion as `cumsum(attention_mask) - 1`.

@@ -1,4 +1,4 @@
-"""MoonViT-3D tower + projector configuration (K3_FACTS section 3).
+"""MoonViT-3D tower + projector configuration (docs/MODEL.md §8, §9).
 
 Field names are the release's `config.json` `vision_config` keys, so `to_json()` writes and
 `from_checkpoint_config()` reads the published layout. Structural switches the release fixes

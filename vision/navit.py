@@ -2,7 +2,7 @@
 
 Pure integer/float arithmetic, no pixels, so the header-only token count and the full
 preprocessing path share it. The float expressions follow the reference processor literally
-(K3_FACTS section 2): changing their order changes results (100000x1 -> 7167x1, not 7168x1).
+(docs/MODEL.md §4, step 1): changing their order changes results (100000x1 -> 7167x1, not 7168x1).
 """
 
 from __future__ import annotations

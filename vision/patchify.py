@@ -1,5 +1,5 @@
 """The padded uint8 image -> `pixel_values` on a torch device (a GPU, or the CPU), bit for bit what
-`vision.preprocess.patchify_normalise` builds on the host (K3_FACTS section 2, steps 5 and 6).
+`vision.preprocess.patchify_normalise` builds on the host (docs/MODEL.md §4, steps 5 and 6).
 
 An encoder on a GPU receives the uint8 image (a quarter of the bytes of the float patches) and
 builds the patches there, so the host never writes 145 MB of float32 per 12 MP image.

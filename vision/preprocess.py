@@ -1,4 +1,4 @@
-"""Image bytes -> exactly the model input Kimi-K3's own processor produces (K3_FACTS section 2).
+"""Image bytes -> exactly the model input Kimi-K3's own processor produces (docs/MODEL.md §4).
 
 The reference steps, and how this module does each one:
   1. size rule                  -> `vision.navit.plan_size` (same float expressions), read from the
@@ -51,7 +51,7 @@ from .navit import IN_PATCH_LIMIT, MERGE_KERNEL_SIZE, PATCH_LIMIT_ON_ONE_SIDE, P
 from .options import DEFAULT_OPTIONS, ImageOptions
 from .video import VideoConfig
 
-# Processor config (K3_FACTS section 2).
+# Processor config (docs/MODEL.md §3).
 IMAGE_MEAN = 0.5  # the same for all three channels
 IMAGE_STD = 0.5
 CHECKER_SQUARE = 8

@@ -1,4 +1,4 @@
-"""MoonViT-3D, the Kimi-K3 vision tower (K3_FACTS section 3), top to bottom.
+"""MoonViT-3D, the Kimi-K3 vision tower (docs/MODEL.md §8), top to bottom.
 
 patch embed -> + learnable position grid -> 27 pre-norm blocks (2-D RoPE, attention within
 each image only) -> final RMSNorm -> 2x2 merger. Input is a packed batch: the patches of every

@@ -2,7 +2,7 @@
 
 The released K3 processor rejects every media type but still images, so `preprocess_image`
 refuses video bytes with `UnsupportedMediaError`. The configuration below is what the model's
-processor config declares for the day video is switched on (K3_FACTS section 2, "Video"):
+processor config declares for the day video is switched on (docs/MODEL.md §7):
 sample at min(8, fps) frames per second, group 4 frames into a chunk, budget 16,384 patches per
 frame, and lead each chunk's prompt with an HH:MM:SS.fff timestamp. These functions need no
 decoder; they are tested so that the video path, when it arrives, starts from checked parts.
