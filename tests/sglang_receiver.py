@@ -1,32 +1,40 @@
 """The language side of SGLang 0.5.23's encoder disaggregation, for tests: SGLang's own receiver
 code (its EmbeddingData and MultiModalEmbeddingData, the part validation and the allow-listed
-unpickler, extracted verbatim from the 0.5.23 wheel into tests/thirdparty/sglang-0.5.23), fed by
-real ZMQ PULL sockets on 127.0.0.1 as SGLang's tokenizer (`zmq_to_tokenizer`) and its scheduler
-ranks (`zmq_to_scheduler`) bind them.
+unpickler), imported from its released wheel (fetched and sha256-checked by `peers`; the module is
+skipped when it cannot be downloaded), fed by real ZMQ PULL sockets on 127.0.0.1 as SGLang's
+tokenizer (`zmq_to_tokenizer`) and its scheduler ranks (`zmq_to_scheduler`) bind them.
 
 `receive` takes one request's parts off a socket step for step as SGLang does it
-(`MMReceiverBase._recv_mm_data` and `WaitingMMRequestBase.consume_parts`, which are methods of
-classes too entangled with SGLang's runtime to extract): unpickle the first frame with
-`safe_pickle_loads`, drop a part of another request, fail on an error part, read the rows from the
-second frame with the part's dtype and shape, aggregate until every part is in.
+(`MMReceiverBase._recv_mm_data` and `WaitingMMRequestBase.consume_parts`, methods of classes that
+need SGLang's running scheduler and tokenizer): unpickle the first frame with `safe_pickle_loads`,
+drop a part of another request, fail on an error part, read the rows from the second frame with
+the part's dtype and shape, aggregate until every part is in.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import os
+import warnings
 
+import peers
 import torch
 import zmq
 
-SGLANG_VERSION = "0.5.23"
-FIXTURE = Path(__file__).resolve().parent / "thirdparty" / f"sglang-{SGLANG_VERSION}"
-if str(FIXTURE) not in sys.path:
-    sys.path.insert(0, str(FIXTURE))
+SGLANG_VERSION = peers.SGLANG_VERSION
+WHEEL = peers.sglang_importable()  # skips the importing test module when offline
 
-from sglang.srt.disaggregation.encoder import receiver  # noqa: E402  (SGLang's, from the fixture)
-from sglang.srt.multimodal.modality import Modality  # noqa: E402
-from sglang.srt.utils.common import safe_pickle_loads  # noqa: E402
+# SGLang's package import points third-party JIT caches (Triton's, Inductor's, ...) at its own
+# directory through os.environ, and its layers warn that they need a GPU: neither is the tests'.
+_environ = dict(os.environ)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from sglang.srt.disaggregation.encoder import receiver  # SGLang's, from its wheel
+    from sglang.srt.multimodal.modality import Modality
+    from sglang.srt.utils.common import safe_pickle_loads
+for _key in set(os.environ) - set(_environ):
+    del os.environ[_key]
+os.environ.update(_environ)
+del _environ
 
 MODEL_TYPE = "kimi_k3"  # what SGLang's receiver reads off Kimi-K3's config (model_type)
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP face and vLLM's disaggregated encoding, through real `kimi-vision serve`
 processes on 127.0.0.1 and a real HTTP client.
 
-- The encoder role of vLLM's EPD: vLLM 0.33.0's own proxy, run as a script
-  (tests/thirdparty/vllm-0.33.0), in front of the producer: the decode request it sends holds
-  `image_embeds` references whose files hold the Embed RPC's rows. The request vLLM's first proxy
+- The encoder role of vLLM's EPD: vLLM 0.33.0's own proxy, run as a script (taken from its sdist
+  at test time, `peers.vllm_epd_proxy`; skipped offline), in front of the producer: the decode
+  request it sends holds `image_embeds` references whose files hold the Embed RPC's rows. The request vLLM's first proxy
   sent (`max_tokens` 1, the whole chat) writes the file under the hash vLLM itself computes (a
   golden of ../shared/conformance/vllm). Every vLLM 0.33.0 chat parameter is taken, with or
   without `max_tokens`, answered with no completion tokens; `stream: true` is SSE the OpenAI SDK reads.
@@ -31,6 +31,7 @@ import grpc
 import httpx
 import numpy as np
 import openai
+import peers
 import pytest
 from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 from openai_schema import ChatCompletion, ChatCompletionChunk, EncoderCompletion, ErrorResponse
@@ -48,7 +49,6 @@ from vision.checkpoint import INDEX_FILE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = REPO_ROOT / "samples" / "photo.jpg"
-VLLM_PROXY = REPO_ROOT / "tests" / "thirdparty" / "vllm-0.33.0" / "disagg_epd_proxy.py"
 TOKEN = "http-face-test-token-0123456789"
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,6 +72,12 @@ def _proxy_request(original: dict) -> dict:
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     return request
+
+
+@pytest.fixture(scope="session")
+def vllm_proxy() -> Path:
+    """vLLM 0.33.0's examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py, from its sdist."""
+    return peers.vllm_epd_proxy()
 
 
 @pytest.fixture(scope="module")
@@ -267,14 +273,14 @@ def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path) ->
     raise AssertionError(f"the proxy did not come up: {log.read_text()[-3000:]}")
 
 
-def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(producer, export_dir, tmp_path):
+def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(vllm_proxy, producer, export_dir, tmp_path):
     """vLLM 0.33.0's proxy (its own script) with a user's request of two images and a priority: one
     encoder request for both, answered with their keys and grids; the decode request then holds
     `image_embeds` references under the proxy's uuids, whose files hold the Embed RPC's rows."""
     images = [SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()]
     urls = [_data_url(images[0]), _data_url(images[1], "image/png")]
     decoder = _Decoder()
-    proc, port = _run_proxy(VLLM_PROXY, producer.proc.http_port, decoder.server_address[1], tmp_path / "proxy.log")
+    proc, port = _run_proxy(vllm_proxy, producer.proc.http_port, decoder.server_address[1], tmp_path / "proxy.log")
     try:
         request = {"model": "moonshotai/Kimi-K3", "priority": 5, "session_id": "s-1", "max_tokens": 8,
                    "messages": [{"role": "user", "content": [

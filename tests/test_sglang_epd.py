@@ -1,6 +1,7 @@
 """This service as the encoder of SGLang 0.5.23's encoder disaggregation, through a real
 `kimi-vision serve` on 127.0.0.1 and SGLang's own receiver code (`sglang_receiver`: its classes and
-allow-listed unpickler, extracted verbatim from the 0.5.23 wheel) on real ZMQ sockets:
+allow-listed unpickler, imported from the 0.5.23 wheel fetched at test time; skipped offline) on
+real ZMQ sockets:
 
 - both transfer backends from one server: `zmq_to_tokenizer` (the `/encode` names the port) and
   `zmq_to_scheduler` (two TP ranks register, one before the `/encode` and one after): the rows each
