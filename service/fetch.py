@@ -173,7 +173,7 @@ class MediaFetcher:
         if not remote:
             return [await self.fetch(part) for part in parts]
         client = self._client()
-        tasks = [asyncio.ensure_future(self._one(part, client)) for part in parts]
+        tasks = [asyncio.ensure_future(self._bytes_of(part, client)) for part in parts]
         try:
             async with asyncio.timeout(self.timeout_s):
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -193,11 +193,11 @@ class MediaFetcher:
     async def fetch(self, part: MediaRef) -> bytes:
         """One part's bytes."""
         if _scheme(part.url) not in ("http", "https"):
-            return await self._one(part, None)
+            return await self._bytes_of(part, None)
         async with self._client() as client:
-            return await self._one(part, client)
+            return await self._bytes_of(part, client)
 
-    async def _one(self, part: MediaRef, client: httpx.AsyncClient | None) -> bytes:
+    async def _bytes_of(self, part: MediaRef, client: httpx.AsyncClient | None) -> bytes:
         url = part.url
         if url.startswith("data:"):
             return self._data_url(part)

@@ -4,7 +4,7 @@ gRPC `Image` message holds the same fields).
 
 An image is `{"url": ..., "detail": ...}` (or the URL alone). `detail` is OpenAI's field
 ("auto", "low", "high"): accepted and without effect, since Kimi-K3's processor has one way to
-preprocess an image (docs/MODEL.md §2). Any other field is refused by name: it would ask for
+preprocess an image (docs/MODEL.md §4). Any other field is refused by name: it would ask for
 preprocessing this encoder does not do, and an ignored option would give rows the client did not
 ask for.
 """

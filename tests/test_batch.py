@@ -11,6 +11,7 @@ must leave every input in the output exactly once, in input order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -133,7 +134,7 @@ def test_every_input_line_is_an_item_in_input_order(images, tmp_path):
                                 "body": {"messages": [{"role": "user", "content": [
                                     {"type": "image_url", "image_url": {"url": str(images / "grayscale.png")}},
                                     {"type": "text", "text": caption.effective_prompt}]}]}}
-    assert parse_chat_request(items[0].request["body"]).images[0].url == str(images / "grayscale.png")
+    assert parse_chat_request(items[0].request["body"]).media[0].url == str(images / "grayscale.png")
     embed = next(iter(load_items(images, JobSpec("embed")))).request
     assert embed["url"] == "/v1/embeddings" and len(embed["body"]["messages"][0]["content"]) == 1
 
@@ -409,11 +410,12 @@ def test_mixed_requests_in_process_and_through_a_server(server, mixed, tmp_path)
     # prompt_tokens is the prompt after media_pad expansion, as the engine counts it.
     greedy = next(item for item in load_items(mixed, spec) if item.custom_id == "greedy")
     request = parse_chat_request(greedy.request["body"])
-    chat = request.chat_input([(mixed.parent / "gray.png").read_bytes()])
-    chat.kwargs = {"thinking": False}
-    counted = asyncio.run(server.engine.count_chat_tokens(chat))
+    media = [request.media[0].input((mixed.parent / "gray.png").read_bytes())]
+    chat = dataclasses.replace(request.chat, kwargs={"thinking": False})
+    engine = server.engine
+    prepared = asyncio.run(engine.prepare(engine.check(media, chat), media, chat))
     usage = next(r for r in local if r["custom_id"] == "greedy")["response"]["body"]["usage"]
-    assert usage["prompt_tokens"] == counted.total > counted.image_tokens[0] > 0
+    assert usage["prompt_tokens"] == len(prepared.prompt.ids) > prepared.media_tokens[0] > 0
 
     # --ignore-model runs the line that names another model; without --allow-remote-images a remote
     # image is that line's error.
@@ -622,14 +624,23 @@ def test_a_flag_out_of_its_range_is_a_usage_error(flag, value, problem, capsys):
 
 
 @pytest.mark.parametrize("command", ["batch", "serve"])
-def test_the_remote_image_flags_default_to_the_fetchers_defaults(command):
-    """cli/common writes the defaults out (its --help stays light): they must stay those of service.openai.images."""
+def test_the_flags_default_to_the_configs_defaults(command):
+    """Each default is written once, in its config: the flags (and their help) read it from there."""
     from service.cli.main import build_parser
+    from service.engine import EngineConfig
     from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S
+    from service.server import ServerConfig
 
     argv = [command] + (["--task", "caption", "--input", "in", "--output", "out.jsonl"] if command == "batch" else [])
     args = build_parser(argv).parse_args(argv)
     assert (args.media_fetch_timeout, args.max_media_fetches) == (DEFAULT_TIMEOUT_S, DEFAULT_CONCURRENCY)
+    if command == "serve":
+        engine, server = EngineConfig("unused"), ServerConfig()
+        assert (args.max_images, args.max_num_seqs, args.max_num_batched_tokens, args.cache_mb << 20,
+                args.mm_hasher_algorithm) == (engine.max_images, engine.max_num_seqs, engine.max_num_batched_tokens,
+                                              engine.cache_bytes, engine.hash_algorithm)
+        assert (args.max_concurrency, args.max_queue, args.max_bodies_in_flight, args.port) == (
+            server.max_concurrency, server.max_queue, server.max_bodies_in_flight, server.port)
 
 
 def test_progress_bar_on_a_tty_and_log_lines_otherwise():

@@ -19,6 +19,7 @@ import torch
 from images import png
 from page_faults import fresh_faults
 
+from service.engine import ImageInput
 from service.engine.allocator import KEEP_FREED_BYTES
 from service.engine.pool import EncoderPool, PoolClosedError, WorkerDiedError, held_bytes, resolve_devices
 from service.errors import Kind
@@ -40,7 +41,7 @@ ITEMS = [png(14 * w, 14 * h, seed=i) for i, (h, w) in enumerate([(4, 6), (32, 32
 
 def submit(pool: EncoderPool, data: bytes, options: ImageOptions = DEFAULT_OPTIONS):
     """What the engine does: read the header, then queue the bytes with their plan."""
-    return pool.submit(data, options, plan_image(data, options))
+    return pool.submit(ImageInput(data, options=options), plan_image(data, options))
 
 
 def encode(pool: EncoderPool, datas: list[bytes]) -> list[torch.Tensor]:
@@ -272,7 +273,7 @@ def test_workers_check_the_pool_limits_too(tiny_checkpoint):
     data = ITEMS[1]  # 448 x 448
     with EncoderPool(tiny_checkpoint, workers=1, threads_per_worker=1, limits=Limits(max_pixels=1000)) as pool:
         with pytest.raises(ImageTooLargeError, match="pixel limit"):
-            pool.submit(data, DEFAULT_OPTIONS, plan_image(data)).result(60)
+            pool.submit(ImageInput(data), plan_image(data)).result(60)
 
 
 def test_large_payloads_through_shared_memory_equal_pickled_ones(tiny_checkpoint, reference):

@@ -42,6 +42,7 @@ from service.engine import EngineConfig
 from service.epd.sglang_wire import error_frames, part_frames
 from service.rpc.client import VisionClient
 from service.server import ServerConfig, ServerThread
+from vision.media import Modality as VisionModality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHOTO = REPO_ROOT / "samples" / "photo.jpg"
@@ -92,9 +93,14 @@ def context():
     ctx.destroy(linger=0)
 
 
-def _encode_body(req_id: str, images: list[bytes], num_parts: int, part_idx: int, **where) -> dict:
-    """What SGLang's `MMReceiverHTTP.encode` posts for one part."""
-    return {"encoder_idx": 0, "encoder_url": "http://encoder", "mm_items": [_url(d) for d in images],
+def _encode_body(req_id: str, images: list[bytes], num_parts: int, part_idx: int, details: dict[int, str] | None = None,
+                 **where) -> dict:
+    """What SGLang's `MMReceiverHTTP.encode` posts for one part; `details`: the images (by their
+    index in the part) whose OpenAI image part carried `detail`, which SGLang's language side forwards
+    as a `{"url", "detail"}` item (`_extract_url_data`)."""
+    details = details or {}
+    items = [{"url": _url(d), "detail": details[i]} if i in details else _url(d) for i, d in enumerate(images)]
+    return {"encoder_idx": 0, "encoder_url": "http://encoder", "mm_items": items,
             "num_parts": num_parts, "part_idx": part_idx, "req_id": receiver.create_part_req_id(req_id, part_idx),
             "modality": "IMAGE", "prefill_host": "127.0.0.1", "time_stats_json": None, **where}
 
@@ -117,9 +123,10 @@ def _check(aggregate, indices: list[int], expected) -> torch.Tensor:
 
 
 def test_zmq_to_tokenizer_parts_arrive_as_the_rpcs_rows(http, context, expected):
-    """Two parts of one request (two images, then one) on the tokenizer's socket."""
+    """Two parts of one request (two images, one of them with `detail: "high"`, then one) on the
+    tokenizer's socket: `detail` changes nothing (K3's processor has one preprocessing)."""
     sock, port = bound_pull(context)
-    bodies = [_encode_body("tok-1", IMAGES[:2], 2, 0, embedding_port=port),
+    bodies = [_encode_body("tok-1", IMAGES[:2], 2, 0, {1: "high"}, embedding_port=port),
               _encode_body("tok-1", IMAGES[2:], 2, 1, embedding_port=port)]
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda body: http.post("/encode", json=body), bodies))
@@ -137,7 +144,7 @@ def test_zmq_to_scheduler_two_ranks_registered_before_and_after_get_the_same_row
 
     assert register(0).status_code == 200  # before the /encode
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(http.post, "/encode", json=_encode_body("sched-1", IMAGES[:2], 1, 0,
+        pending = pool.submit(http.post, "/encode", json=_encode_body("sched-1", IMAGES[:2], 1, 0, {0: "low"},
                                                                       embedding_port=None))
         first = receive(ranks[0][0], "sched-1", timeout_s=60)  # the /encode is delivering now
         assert not pending.done()  # it waits for the second rank
@@ -201,7 +208,8 @@ def test_the_wire_object_is_sglangs_embedding_data():
     grid = torch.tensor([[1, 2, 6]], dtype=torch.int64)
     theirs = receiver.EmbeddingData("r_local_part_0", 1, 0, grid, Modality.IMAGE, rows, video_timestamps=None,
                                     second_per_grid_ts=None, original_image_sizes=[[80, 30]]).copy_without_embedding()
-    ours = safe_pickle_loads(part_frames("r_local_part_0", 1, 0, rows, [(1, 2, 6)], [(80, 30)])[0])
+    frames = part_frames("r_local_part_0", 1, 0, VisionModality.IMAGE, rows, [(1, 2, 6)], [(80, 30)])
+    ours = safe_pickle_loads(frames[0])
     assert type(ours) is receiver.EmbeddingData
     assert list(ours.__dict__) == list(theirs.__dict__)
     for key, value in theirs.__dict__.items():
@@ -209,13 +217,15 @@ def test_the_wire_object_is_sglangs_embedding_data():
 
     theirs = receiver.EmbeddingData("r_local_part_0", 1, 0, None, Modality.IMAGE, error_msg="bad image: x",
                                     error_code=400).copy_without_embedding()
-    ours = safe_pickle_loads(error_frames("r_local_part_0", 1, 0, "bad image: x", 400)[0])
+    ours = safe_pickle_loads(error_frames("r_local_part_0", 1, 0, VisionModality.IMAGE, "bad image: x", 400)[0])
     assert ours.__dict__ == theirs.__dict__ and list(ours.__dict__) == list(theirs.__dict__)
 
 
 @pytest.mark.parametrize(("change", "words"), [
     ({"req_id": ""}, "missing or invalid req_id"),
-    ({"modality": "VIDEO"}, "Kimi-K3 takes images"),
+    ({"modality": "VIDEO"}, "takes still images only and rejects video"),
+    ({"modality": "AUDIO"}, "modality AUDIO is not supported; Kimi-K3 takes images"),
+    ({"mm_items": [{"url": "data:,", "detail": "ultra"}]}, "detail must be one of ['auto', 'low', 'high']"),
     ({"modality": "SMELL"}, "unsupported modality"),
     ({"num_parts": 0}, "num_parts must be a positive integer"),
     ({"part_idx": 1}, "part_idx must be in [0, 1)"),

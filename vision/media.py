@@ -1,4 +1,4 @@
-"""The media a Kimi-K3 request may carry, and what planning does with each (docs/MODEL.md §2).
+"""The media a Kimi-K3 request may carry, and what planning does with each (docs/MODEL.md §4, §7).
 
 A media item travels with its `Modality`; this is the one place that says what each modality
 becomes. Images are planned from their header (`plan_image`). Video is what K3's processor
