@@ -9,11 +9,6 @@ one module implementing `base.Sink` (an encoding in; its delivery and transfer p
 The faces only parse their routes into an engine request and a transport's destination; the
 engine returns encodings and never writes or sends them. Configuration picks the transport
 (`--ec-role producer` the vLLM one; SGLang's routes the ZMQ one): adding one is a module here and
-the flag or route that uses it.
+the flag or route that uses it. Nothing is imported here: a face loads only the transport it uses
+(the gRPC face never loads ZMQ).
 """
-
-from service.epd.base import Delivery, Sink
-from service.epd.sglang_zmq import SglangZmqSink
-from service.epd.vllm_storage import VllmStorageSink
-
-__all__ = ["Delivery", "SglangZmqSink", "Sink", "VllmStorageSink"]

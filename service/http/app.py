@@ -55,7 +55,8 @@ from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import Choice, Encoding, Engine, GenerationResult, Prepared
-from service.epd import Delivery, VllmStorageSink
+from service.epd.base import Delivery
+from service.epd.vllm_storage import VllmStorageSink
 from service.errors import (
     ClientGone,
     HeadersTooLarge,
