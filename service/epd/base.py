@@ -4,7 +4,7 @@ the consumer's side needs to find it, out."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine import Encoding, Engine
@@ -14,6 +14,7 @@ from service.engine import Encoding, Engine
 class Delivery:
     transfer_params: dict[str, Any]  # what the reply carries for the consumer (vLLM's ec_transfer_params)
     locations: list[str]  # where each item went (a file; a host:port), in the request's order
+    keys: list[str] = field(default_factory=list)  # what the consumer finds each item by, where it has keys
 
 
 class Sink(ABC):

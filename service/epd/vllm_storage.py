@@ -28,7 +28,7 @@ import blake3
 import torch
 from safetensors.torch import save_file
 
-from service.engine import Encoding, Engine
+from service.engine import Encoding, Engine, MediaInput
 from service.engine.config import HASH_ALGORITHMS
 from service.epd.base import Delivery, Sink
 from service.errors import NotConfigured
@@ -67,6 +67,11 @@ def mm_hash(data: bytes, model_id: str, algorithm: str = "blake3") -> str:
 def item_key(data: bytes, uuid: str | None, model_id: str, algorithm: str = "blake3") -> str:
     """The key vLLM files an image under: the client's `uuid` verbatim when it sent one, else `mm_hash`."""
     return uuid if uuid is not None else mm_hash(data, model_id, algorithm)
+
+
+def item_keys(media: Sequence[MediaInput], model_id: str, algorithm: str) -> list[str]:
+    """Each item's key (blocking: it hashes the bytes; run it off the event loop)."""
+    return [item_key(item.data, item.uuid, model_id, algorithm) for item in media]
 
 
 def ec_path(directory: str | Path, mm_hash: str) -> Path:
@@ -121,17 +126,14 @@ class VllmStorageSink(Sink):
             raise NotConfigured("exporting vLLM encoder-cache files needs the server to run with --ec-export-dir")
         return cls(Path(directory), engine.model_id, engine.config.hash_algorithm, dtype)
 
-    def keys(self, encoding: Encoding) -> list[str]:
-        return [item_key(item.data, item.uuid, self.model_id, self.algorithm) for item in encoding.media]
-
     def write(self, encoding: Encoding) -> Delivery:
         """Blocking: run it off the event loop (`Engine.run_cpu`)."""
-        keys = self.keys(encoding)
+        keys = item_keys(encoding.media, self.model_id, self.algorithm)
         paths = [str(write_ec(self.directory, key, e.rows.to(self.dtype)))
                  for key, e in zip(keys, encoding.embeddings, strict=True)]
         params = transfer_params(keys, [item.modality for item in encoding.media],
                                  [e.grid_thw for e in encoding.embeddings])
-        return Delivery(params, paths)
+        return Delivery(params, paths, keys)
 
     async def deliver(self, engine: Engine, encoding: Encoding, destination: None = None) -> Delivery:
         return await engine.run_cpu(self.write, encoding)

@@ -11,7 +11,7 @@ from contextlib import AbstractAsyncContextManager
 import grpc
 
 from service.engine import Engine
-from service.epd.vllm_storage import VllmStorageSink, item_key
+from service.epd.vllm_storage import VllmStorageSink, item_keys
 from service.errors import BadRequest
 from service.rpc import convert
 from service.rpc._proto import vision_pb2 as pb
@@ -83,8 +83,12 @@ class VisionService(pb_grpc.VisionServiceServicer):
             # vLLM's key of every item; with export_vllm_ec, its file too (the export directory is set).
             vllm = VllmStorageSink.of(engine, convert.TORCH_DTYPES[dtype]) if request.export_vllm_ec else None
             encoding = await engine.encode(await engine.prepare(checked, media, chat))
-            keys = [item_key(item.data, item.uuid, engine.model_id, engine.config.hash_algorithm) for item in media]
-            paths = (await vllm.deliver(engine, encoding)).locations if vllm is not None else [""] * len(media)
+            if vllm is not None:
+                delivery = await vllm.deliver(engine, encoding)
+                keys, paths = delivery.keys, delivery.locations
+            else:  # hashing the bytes: off the event loop
+                keys = await engine.run_cpu(item_keys, media, engine.model_id, engine.config.hash_algorithm)
+                paths = [""] * len(media)
             rows = [e.rows for e in encoding.embeddings]
             data = b"".join([await engine.run_cpu(convert.tensor_bytes, r, dtype) for r in rows])
             yield pb.EncodeChunk(header=pb.EncodeHeader(
