@@ -7,7 +7,10 @@ or the whole new one, and after a crash the new one is either all there or not a
 `durable=False` the two fsyncs are left out: the rename still keeps a reader from ever seeing half
 a file, but a power loss may lose the new file (the EC export: files on a request's path, where two
 fsyncs per file would wait on the disk before the reply). On a failure the temporary file is
-removed. The file gets ordinary permissions, 0o666 masked by the process umask as `open()` gives,
+removed. With `replace=False` the target is never replaced: the temporary file is hard-linked to
+the target's name, which fails if that name exists (so of two writers racing for one name exactly
+one wins, and the other gets FileExistsError); the directory must be on a file system with hard
+links (every local one, NFS). The file gets ordinary permissions, 0o666 masked by the process umask as `open()` gives,
 even when the writer leaves a file of its own (safetensors' `save_file` writes its own temporary
 file, 0600, and renames it into place).
 """
@@ -34,11 +37,12 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(target: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
+def atomic_path(target: str | os.PathLike[str], *, durable: bool = True, replace: bool = True) -> Iterator[Path]:
     """A temporary path beside `target` (its directory made if missing) for the caller to write,
     as bytes or by a writer that takes a path; on leaving the block without an error it replaces
     `target` (see the module docstring), on an error it is removed. `durable=False`: atomic only,
-    no fsync of the file or the directory (what survives a power loss is not promised)."""
+    no fsync of the file or the directory (what survives a power loss is not promised).
+    `replace=False`: an existing `target` is left as it is and FileExistsError raised."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
@@ -56,7 +60,11 @@ def atomic_path(target: str | os.PathLike[str], *, durable: bool = True) -> Iter
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:
+            os.link(tmp, target)
+            tmp.unlink()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

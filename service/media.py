@@ -7,10 +7,15 @@ An image is `{"url": ..., "detail": ...}` (or the URL alone). `detail` is OpenAI
 preprocess an image (docs/MODEL.md §4). Any other field is refused by name: it would ask for
 preprocessing this encoder does not do, and an ignored option would give rows the client did not
 ask for.
+
+An item's `uuid` (vLLM's field: the client's own id for it) names a directory in a vLLM
+encoder-cache export (`service.epd.vllm_storage`), so one rule, `UUID_RULE`, says what a uuid may
+be, and every face checks it where the uuid enters (`item_uuid`), before any byte is fetched.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +27,33 @@ from vision.options import DEFAULT_OPTIONS, ImageOptions
 
 IMAGE_FIELDS = ("url", "detail")
 DETAILS = ("auto", "low", "high")
+# A key is one path component of plain characters: no separator, dot-dot, NUL or newline can be
+# in it, and it fits a file name (255 bytes) with room. fullmatch, not `$`: `$` lets "name\n" by.
+_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+UUID_RULE = "1 to 128 characters, each a letter (A-Z, a-z), a digit, '_' or '-'"
+# The hex digests vLLM's --mm-hasher-algorithm choices give (service.engine.config.HASH_ALGORITHMS:
+# blake3 and sha256 64 digits, sha512 128); sha256's 64 are also the key vLLM's EPD proxy sets.
+_HASH_SHAPED = re.compile(r"[0-9a-fA-F]{64}|[0-9a-fA-F]{128}")
+
+
+def is_key(text: str) -> bool:
+    """Whether `text` follows `UUID_RULE` (a vLLM encoder-cache key: an mm_hash or a client's uuid)."""
+    return _KEY.fullmatch(text) is not None
+
+
+def hash_shaped(key: str) -> bool:
+    """Whether `key` has the form of a content hash (hex of a length vLLM's hashes have)."""
+    return _HASH_SHAPED.fullmatch(key) is not None
+
+
+def item_uuid(value: Any, where: str) -> str | None:
+    """A media item's `uuid` as a face received it (None: absent), checked against `UUID_RULE`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not is_key(value):
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:60]}... ({len(value):,} characters)"
+        raise BadRequest(f"{where}: uuid must be {UUID_RULE}, got {shown}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -32,12 +64,12 @@ class MediaRef:
     url: str
     where: str  # "messages[0].content[1]"
     modality: Modality = Modality.IMAGE
-    uuid: str | None = None  # a client's own item id (vLLM then uses it verbatim as the item's mm_hash)
+    uuid: str | None = None  # a client's own item id, `item_uuid` checked (vLLM keys the item by it)
     options: ImageOptions = DEFAULT_OPTIONS
 
     def input(self, data: bytes) -> MediaInput:
         """The item, its bytes read."""
-        return MediaInput(data, self.modality, self.options, self.where, self.uuid)
+        return MediaInput(data, self.modality, self.options, self.where, self.uuid, self.url)
 
 
 def check_detail(detail: Any, where: str) -> None:

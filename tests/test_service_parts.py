@@ -97,8 +97,10 @@ def test_vllm_encoder_cache_layout(tmp_path):
         assert list(f.keys()) == ["ec_cache"]
         assert torch.equal(f.get_tensor("ec_cache"), rows)
     assert [p.name for p in (tmp_path / "abc123").iterdir()] == ["encoder_cache.safetensors"]  # no temp left
-    with pytest.raises(ValueError, match="hash"):
-        ec_export.write_ec(tmp_path, "../escape", rows)
+    for bad in ("../escape", "a/b", "ok\n", "", "x" * 129):
+        with pytest.raises(ValueError, match="not a usable encoder-cache key"):
+            ec_export.write_ec(tmp_path, bad, rows)
+    assert [p.name for p in tmp_path.iterdir()] == ["abc123"]
 
 
 def test_error_taxonomy_is_one_table():

@@ -32,7 +32,7 @@ log = logging.getLogger("kimi_vision.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Every default below is the config's own (`config_default`), so the help shows what runs.
-    from service.engine.config import COMPONENTS, EngineConfig
+    from service.engine.config import CLIENT_UUIDS, COMPONENTS, EngineConfig
     from service.http.app import HttpConfig
     from service.rpc.server import GrpcConfig
     from service.server import ServerConfig
@@ -94,6 +94,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"embedding cache budget (default {value}; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
                         help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
+    value = config_default(engine, "ec_client_uuids")
+    parser.add_argument("--ec-client-uuids", choices=CLIENT_UUIDS, default=value,
+                        help="which item uuids may name an exported file (a uuid is the file's key, shared by "
+                             "every client; an existing file is never replaced, the first writer's stays): accept: "
+                             "any of 1-128 letters, digits, '_', '-', where one shaped like a content hash (64 or "
+                             "128 hex digits) must be the item's own (its vLLM mm_hash or the sha256 of its URL); "
+                             "content: only the item's own content key, so no client can take a key another "
+                             "client's image will be loaded by (vLLM's EPD proxy sends such keys: it keeps "
+                             f"working); other uuids are 400 (default {value}; see docs/EPD.md)")
     parser.add_argument("--ec-role", choices=("producer",),
                         help="producer (vLLM's EPD encoder): every HTTP chat completion is an encode request: its "
                              "images are written under --ec-export-dir (named as vLLM looks them up), and the "
@@ -248,7 +257,8 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             checkpoint=checkpoint_dir(args.checkpoint), devices=args.devices, components=args.components,
             threads_per_worker=args.threads_per_worker,
             limits=image_limits(args, max_mb=args.max_message_mb), max_images=args.max_images,
-            cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir, model_id=args.vllm_model_id,
+            cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir,
+            ec_client_uuids=args.ec_client_uuids, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -15,6 +15,9 @@ Components = Literal["all", "vision"]
 COMPONENTS = ("all", "vision")
 DEFAULT_MODEL_ID = "moonshotai/Kimi-K3"  # what `vllm serve` is given for the release
 HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm (blake3 its default)
+# Which item uuids the vLLM export takes (service.epd.vllm_storage): any under its rules, or only the
+# item's own content key (its mm_hash, the sha256 of its URL).
+CLIENT_UUIDS = ("accept", "content")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class EngineConfig:
     max_request_pixels: int = 200_000_000  # decoded pixels of all of a request's images together
     cache_bytes: int = 1 << 30
     ec_export_dir: str | os.PathLike[str] | None = None  # where vLLM encoder-cache files may be written
+    ec_client_uuids: str = "accept"  # CLIENT_UUIDS: which item uuids may name an exported file
     # cpu_executor's threads (default: the usable CPUs, service.cpus, at least 2)
     cpu_threads: int = field(default_factory=lambda: max(2, cpu_budget().usable))
     # Free memory each malloc arena keeps for the next image (service.engine.allocator), in this
@@ -54,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {self.hash_algorithm!r}")
+        if self.ec_client_uuids not in CLIENT_UUIDS:
+            raise ValueError(f"ec_client_uuids must be one of {CLIENT_UUIDS}, got {self.ec_client_uuids!r}")
         for name in ("max_images", "max_request_pixels", "cpu_threads", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -50,7 +50,8 @@ class MediaInput:
     modality: Modality = Modality.IMAGE
     options: ImageOptions = DEFAULT_OPTIONS
     where: str = ""  # where the request holds it ("messages[0].content[1]"), prefixed to its errors
-    uuid: str | None = None  # a client's own id for the item: vLLM uses it verbatim as its mm_hash
+    uuid: str | None = None  # a client's own id for the item (`service.media.item_uuid`): vLLM's key for it
+    url: str | None = None  # the URL it came by, if any (vLLM's EPD proxy keys an item by its sha256)
 
 
 ImageInput = MediaInput  # an image: the media item of the default modality

@@ -56,7 +56,7 @@ from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import Choice, Encoding, Engine, GenerationResult, Prepared
 from service.epd.base import Delivery
-from service.epd.vllm_storage import VllmStorageSink
+from service.epd.vllm_storage import ItemKey, VllmStorageSink
 from service.errors import (
     ClientGone,
     HeadersTooLarge,
@@ -263,12 +263,16 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         # The cheap checks, before any item is fetched: their count and modality, the sampling, the length.
         checked = engine.check(request.media, request.chat, request.params)
         sink = VllmStorageSink.of(engine) if config.ec_producer else None  # (the export directory is set)
+        if sink is not None:
+            sink.check(request.media)
         data = await fetcher(engine).fetch_all(request.media)  # not holding a work slot
         media = [ref.input(item) for ref, item in zip(request.media, data, strict=True)]
+        # Each item's key, every uuid rule checked, before any pixel is encoded.
+        keys = None if sink is None else await engine.run_cpu(sink.keys, media)
         # A generation takes no work slot (the trunk's scheduler bounds generations); an encode does.
         engine = await stack.enter_async_context(ticket.work(generation=sink is None))
         prepared = await engine.prepare(checked, media, request.chat)
-        reply = await _answer(engine, request, prepared, sink)
+        reply = await _answer(engine, request, prepared, sink, keys)
         if isinstance(reply, dict):
             return JSONResponse(reply)
         stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
@@ -365,14 +369,14 @@ async def _unless_disconnected(request: Request, answer: Awaitable[Response]) ->
     return work.result()
 
 
-async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared,
-                  sink: VllmStorageSink | None) -> dict[str, Any] | AsyncIterator[str]:
+async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared, sink: VllmStorageSink | None,
+                  keys: list[ItemKey] | None) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
     model = request.model or engine.served_model_names[0]
     reply_id = new_id()
-    if sink is not None:  # the files are the answer: nothing is sampled
+    if sink is not None and keys is not None:  # the files are the answer: nothing is sampled
         encoding = await engine.encode(prepared)
-        return _encoded(encoding, await sink.deliver(engine, encoding), model, reply_id, request)
+        return _encoded(encoding, await sink.deliver(engine, encoding, keys), model, reply_id, request)
     if not request.stream:
         reply = Reply()
         async with contextlib.aclosing(engine.generate(prepared)) as items:

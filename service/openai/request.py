@@ -30,7 +30,7 @@ from typing import Any
 
 from service.engine import ChatInput, SamplingParams
 from service.errors import BadRequest, Unsupported
-from service.media import MediaRef, image_url
+from service.media import MediaRef, image_url, item_uuid
 from vision.media import Modality
 
 # Parameters that change the result and that the engine honours (besides messages and tools), by
@@ -275,9 +275,7 @@ def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _media_part(part: Mapping[str, Any], kind: str, where: str) -> MediaRef:
-    uuid = part.get("uuid")
-    if uuid is not None and (not isinstance(uuid, str) or not uuid):
-        raise BadRequest(f"{where}: uuid must be a non-empty string")
+    uuid = item_uuid(part.get("uuid"), where)
     return MediaRef(image_url(part.get(kind), f"{where}.{kind}"), where, MEDIA_PARTS[kind], uuid)
 
 

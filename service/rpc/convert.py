@@ -14,7 +14,7 @@ import torch
 from service.engine import ChatInput, Choice, GenerationResult, Logprobs, MediaInput, SamplingParams, TokenLogprob
 from service.errors import BadRequest, Unsupported
 from service.jsontext import parse_json
-from service.media import check_detail
+from service.media import check_detail, item_uuid
 from service.rpc._proto import vision_pb2 as pb
 from textcore import parser as p
 from vision.buffers import BufferPool
@@ -50,8 +50,9 @@ def media_input(image: pb.Image, where: str = "") -> MediaInput:
                                resize=o.resize or "exact")
     except ImageOptionsError as exc:
         raise BadRequest(f"{label}: options: {exc}") from None
+    uuid = item_uuid(image.uuid or None, label)  # proto3: an empty uuid is no uuid
     # One read of `data`: each read of a protobuf bytes field copies it.
-    return MediaInput(image.data, modality, options, where, image.uuid or None)
+    return MediaInput(image.data, modality, options, where, uuid)
 
 
 def _json_field(text: str, name: str, kind: type) -> Any:

@@ -80,15 +80,17 @@ class VisionService(pb_grpc.VisionServiceServicer):
             chat, media = convert.chat_input(request.messages, request.tools_json, request.thinking_effort,
                                              request.chat_kwargs_json)
             checked = engine.check(media, chat)
-            # vLLM's key of every item; with export_vllm_ec, its file too (the export directory is set).
+            # vLLM's key of every item, its uuid checked before any pixel is encoded (hashing the
+            # bytes: off the event loop); with export_vllm_ec, its file too (the export directory is set).
             vllm = VllmStorageSink.of(engine, convert.TORCH_DTYPES[dtype]) if request.export_vllm_ec else None
-            encoding = await engine.encode(await engine.prepare(checked, media, chat))
             if vllm is not None:
-                delivery = await vllm.deliver(engine, encoding)
-                keys, paths = delivery.keys, delivery.locations
-            else:  # hashing the bytes: off the event loop
-                keys = await engine.run_cpu(item_keys, media, engine.model_id, engine.config.hash_algorithm)
-                paths = [""] * len(media)
+                item_ids = await engine.run_cpu(vllm.keys, media)
+            else:
+                item_ids = await engine.run_cpu(item_keys, media, engine.model_id, engine.config.hash_algorithm)
+            encoding = await engine.encode(await engine.prepare(checked, media, chat))
+            keys, paths = [k.key for k in item_ids], [""] * len(media)
+            if vllm is not None:
+                paths = (await vllm.deliver(engine, encoding, item_ids)).locations
             rows = [e.rows for e in encoding.embeddings]
             data = b"".join([await engine.run_cpu(convert.tensor_bytes, r, dtype) for r in rows])
             yield pb.EncodeChunk(header=pb.EncodeHeader(
