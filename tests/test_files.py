@@ -5,17 +5,21 @@ files."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import threading
 
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_tensors
 from safetensors.torch import save_file
 
 from service.batch.journal import fingerprint_path, prepare, shard_dir
 from service.batch.shards import ShardWriter
 from service.epd.vllm_storage import write_ec
+from service.errors import BadRequest
 from service.files import atomic_path, write_atomic
 
 
@@ -130,3 +134,55 @@ def test_every_writer_replaces_its_files_this_way(tmp_path, umask_022):
     assert rows[0]["response"]["body"]["embedding"]["file"] == "out.jsonl.embeddings/shard-00001.safetensors"
     assert sorted(p.name for p in output.parent.iterdir()) == ["out.jsonl", "out.jsonl.embeddings",
                                                                "out.jsonl.job.json"]
+
+
+def test_racing_writers_of_one_key_leave_one_complete_file_and_never_replace_it(tmp_path):
+    """The EC export does not replace: of writers racing for one key exactly one links its file in;
+    the others, with another image, are refused; with the same image, they get the key as usual."""
+    rows = [torch.full((64, 32), float(i)).to(torch.bfloat16) for i in range(8)]
+    start = threading.Barrier(len(rows))
+    outcomes: list[object] = [None] * len(rows)
+
+    def write(i: int, image: str) -> None:
+        start.wait()
+        try:
+            outcomes[i] = write_ec(tmp_path, "raced", rows[i], image)
+        except BadRequest as exc:
+            outcomes[i] = exc
+
+    for same_image in (False, True):
+        key_dir = tmp_path / "raced"
+        if key_dir.exists():
+            shutil.rmtree(key_dir)
+        threads = [threading.Thread(target=write, args=(i, "img" if same_image else f"img{i}"))
+                   for i in range(len(rows))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        written = load_tensors(str(key_dir / "encoder_cache.safetensors"))["ec_cache"]
+        assert os.listdir(key_dir) == ["encoder_cache.safetensors"]  # no temporary left
+        refused = [o for o in outcomes if isinstance(o, BadRequest)]
+        if same_image:
+            assert refused == [] and outcomes == [key_dir / "encoder_cache.safetensors"] * len(rows)
+            assert any(torch.equal(written, r) for r in rows)
+        else:
+            (winner,) = [i for i, o in enumerate(outcomes) if not isinstance(o, BadRequest)]
+            assert torch.equal(written, rows[winner])
+            assert len(refused) == len(rows) - 1
+            assert all("already holds another image's embeddings" in str(e) for e in refused)
+
+
+def test_an_existing_entry_is_kept_bit_for_bit(tmp_path):
+    """A second write of the key, whatever it holds, leaves the first file's bytes as they were."""
+    first = write_ec(tmp_path, "kept", torch.randn(5, 8).to(torch.bfloat16), "img-a")
+    before, inode = first.read_bytes(), os.stat(first).st_ino
+    write_ec(tmp_path, "kept", torch.randn(5, 8).to(torch.bfloat16), "img-a")  # same image: the key, as usual
+    with pytest.raises(BadRequest, match="another image's embeddings"):
+        write_ec(tmp_path, "kept", torch.randn(5, 8).to(torch.bfloat16), "img-b")
+    with pytest.raises(BadRequest, match="bfloat16 rows, not float32"):
+        write_ec(tmp_path, "kept", torch.randn(5, 8), "img-a")
+    assert first.read_bytes() == before and os.stat(first).st_ino == inode
+    with pytest.raises(FileExistsError), atomic_path(first, replace=False) as tmp:
+        tmp.write_bytes(b"other")
+    assert first.read_bytes() == before and os.listdir(first.parent) == [first.name]
