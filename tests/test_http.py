@@ -17,12 +17,14 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,6 +44,7 @@ from serve_process import ServeProcess, free_port
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
 from service.openai.request import VLLM_CHAT_PARAMETERS
+from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, user
 from service.server import ServerConfig, ServerThread
 from textcore.generate import SamplingError, SamplingParams
@@ -106,7 +109,8 @@ def http(server):
 def producer(tmp_path_factory, export_dir):
     """The embedded default as vLLM's encoder (EC producer mode): the process, an HTTP and a gRPC client."""
     log = tmp_path_factory.mktemp("producer") / "serve.log"
-    args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer"]
+    args = ["--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export_dir), "--ec-role", "producer",
+            "--metrics-port", "0"]
     with (ServeProcess.start(args, log_path=log) as proc,
           httpx.Client(base_url=f"http://127.0.0.1:{proc.http_port}", timeout=120) as http,
           VisionClient(proc.target, timeout=120) as rpc_client):
@@ -154,6 +158,93 @@ def test_a_client_uuid_names_the_file(producer, export_dir):
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
     assert producer.http.post("/v1/chat/completions", json=body).status_code == 200
     assert (export_dir / "user-item-42" / "encoder_cache.safetensors").is_file()
+
+
+def _embeds_so_far(producer) -> float:
+    """The engine's embedding-cache lookups: one per item of every encode that ran."""
+    text = httpx.get(f"http://127.0.0.1:{producer.proc.metrics_port}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^kimi_vision_embed_cache_lookups_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def _post_image(producer, data: bytes, uuid: object = None, mime: str = "image/jpeg", url: str | None = None):
+    part = {"type": "image_url", "image_url": {"url": url or _data_url(data, mime)}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return producer.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+
+
+BAD_UUIDS = ["../x", "a/b", "a\x00b", "x" * 10_240, "okname\n", ""]
+UUID_RULE_WORDS = "uuid must be 1 to 128 characters, each a letter"
+
+
+def test_an_invalid_uuid_is_a_400_naming_the_rule_before_any_work(producer, export_dir):
+    """Each is refused before its image is read (a URL this server would refuse to fetch is never
+    reached) or encoded (no embedding lookup), and no file or directory is made, on both faces."""
+    data = SAMPLE.read_bytes()
+    before, entries = _embeds_so_far(producer), sorted(os.listdir(export_dir))
+    for bad in [*BAD_UUIDS, 7, ["a"]]:
+        for url in (None, "http://127.0.0.1:9/never-fetched.png"):
+            _error(_post_image(producer, data, bad, url=url), 400, UUID_RULE_WORDS)
+    for bad in BAD_UUIDS[:-1]:  # (proto3: an empty uuid is no uuid)
+        with pytest.raises(grpc.RpcError) as info:
+            producer.rpc.encode([user("x", pb.Image(data=data, uuid=bad))], export_vllm_ec=True)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and UUID_RULE_WORDS in info.value.details()
+    assert _embeds_so_far(producer) == before and sorted(os.listdir(export_dir)) == entries
+    assert not any(export_dir.parent.glob("**/okname*")) and "Traceback" not in producer.proc.log_text()
+
+
+def test_an_entry_is_never_replaced_nor_taken_by_another_image(producer, export_dir):
+    """First writer wins: the same image again gets its key, another image under a named uuid a
+    400, the first file left bit for bit. A uuid shaped like a content hash must be the item's own
+    (its mm_hash, or the sha256 of its URL): another image's key, written or not, is a 400 before
+    any encoding, on both faces."""
+    first, second = SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()
+    assert _post_image(producer, first, "first-come-7").status_code == 200
+    path = export_dir / "first-come-7" / "encoder_cache.safetensors"
+    kept = path.read_bytes()
+    _error(_post_image(producer, second, "first-come-7", "image/png"), 400, "already holds another image's embeddings")
+    again = _post_image(producer, first, "first-come-7")
+    assert again.status_code == 200 and list(again.json()["ec_transfer_params"]) == ["first-come-7"]
+    assert path.read_bytes() == kept
+
+    (key,) = _post_image(producer, first).json()["ec_transfer_params"]  # vLLM's own mm_hash of `first`
+    mm_file = export_dir / key / "encoder_cache.safetensors"
+    kept_mm = mm_file.read_bytes()
+    before, entries = _embeds_so_far(producer), sorted(os.listdir(export_dir))
+    proxy_key = hashlib.sha256(_data_url(first).encode()).hexdigest()  # vLLM's proxy's key for `first`
+    for foreign in (key, proxy_key, "ab" * 32, "cd" * 64, key.upper()):
+        _error(_post_image(producer, second, foreign, "image/png"), 400, "has the form of a content hash")
+        with pytest.raises(grpc.RpcError) as info:
+            producer.rpc.encode([user("x", pb.Image(data=second, uuid=foreign))], export_vllm_ec=True)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "content hash" in info.value.details()
+    assert _embeds_so_far(producer) == before and sorted(os.listdir(export_dir)) == entries
+    assert mm_file.read_bytes() == kept_mm and path.read_bytes() == kept
+    # The item's own keys are taken, as vLLM's proxy and a client repeating vLLM's hash send them.
+    for own in (key, proxy_key):
+        reply = _post_image(producer, first, own)
+        assert reply.status_code == 200 and list(reply.json()["ec_transfer_params"]) == [own]
+    assert mm_file.read_bytes() == kept_mm
+
+
+def test_racing_writers_of_one_uuid_leave_one_complete_file(producer, export_dir):
+    """Requests racing for one uuid with two images: those with the winner's image get the key,
+    the others a 400; the file holds the winner's rows, whole."""
+    images = [SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()] * 3
+    mimes = ["image/jpeg", "image/png"] * 3
+    with ThreadPoolExecutor(len(images)) as pool:
+        replies = list(pool.map(lambda i: _post_image(producer, images[i], "raced-uuid", mimes[i]),
+                                range(len(images))))
+    statuses = [r.status_code for r in replies]
+    winner = statuses.index(200)
+    assert all((s == 200) == (images[i] == images[winner]) for i, s in enumerate(statuses)), statuses
+    for reply in replies:
+        if reply.status_code != 200:
+            _error(reply, 400, "already holds another image's embeddings")
+    key_dir = export_dir / "raced-uuid"
+    assert os.listdir(key_dir) == ["encoder_cache.safetensors"]
+    written = load_file(str(key_dir / "encoder_cache.safetensors"))["ec_cache"]
+    _, rows = producer.rpc.embed(images[winner], dtype="bfloat16")
+    np.testing.assert_array_equal(written.float().numpy(), rows)
 
 
 # Every field of vLLM 0.33.0's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py),
@@ -253,11 +344,13 @@ class _Decoder(ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path) -> tuple[subprocess.Popen, int]:
-    """vLLM's proxy as its example runs it, E + PD on 127.0.0.1; back once its /health says all are up."""
+def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path,
+               encoder_host: str = "127.0.0.1") -> tuple[subprocess.Popen, int]:
+    """vLLM's proxy as its example runs it, E + PD (the encoder on `encoder_host`, the rest on
+    127.0.0.1); back once its /health says all are up."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(script), "--host", "127.0.0.1", "--port", str(port),
-                             "--encode-servers-urls", f"http://127.0.0.1:{encoder_port}",
+                             "--encode-servers-urls", f"http://{encoder_host}:{encoder_port}",
                              "--prefill-servers-urls", "none", "--decode-servers-urls",
                              f"http://127.0.0.1:{decoder_port}"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -303,6 +396,40 @@ def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(vllm_proxy,
         written = load_file(str(export_dir / uuid / "encoder_cache.safetensors"))["ec_cache"]
         _, rows = producer.rpc.embed(data, dtype="bfloat16")
         np.testing.assert_array_equal(written.float().numpy(), rows)
+
+
+def test_vllms_proxy_on_another_address_with_content_keys_only(vllm_proxy, tmp_path):
+    """An encoder on 127.0.0.2 taking content keys only (`--ec-client-uuids content`), vLLM's proxy
+    and decoder on 127.0.0.1: the proxy's uuids (the sha256 of each URL) are taken, twice (the second
+    time the files are there already and kept); a uuid a client names is a 400 there."""
+    export = tmp_path / "ec"
+    args = ["--host", "127.0.0.2", "--devices", "cpu:1", "--http-port", "0", "--ec-export-dir", str(export),
+            "--ec-role", "producer", "--ec-client-uuids", "content"]
+    data = SAMPLE.read_bytes()
+    url = _data_url(data)
+    decoder = _Decoder()
+    with ServeProcess.start(args, log_path=tmp_path / "serve.log") as encoder:
+        assert encoder.host == "127.0.0.2"
+        named = httpx.post(f"http://127.0.0.2:{encoder.http_port}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url},
+                                                       "uuid": "user-item-42"}]}]})
+        _error(named, 400, "--ec-client-uuids content")
+        proc, port = _run_proxy(vllm_proxy, encoder.http_port, decoder.server_address[1], tmp_path / "proxy.log",
+                                encoder_host="127.0.0.2")
+        try:
+            request = {"model": "moonshotai/Kimi-K3", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"}]}]}
+            for _ in range(2):
+                reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=request, timeout=120)
+                assert reply.status_code == 200, (reply.text, (tmp_path / "proxy.log").read_text()[-3000:])
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            decoder.shutdown()
+    uuid = hashlib.sha256(url.encode()).hexdigest()
+    assert [part["uuid"] for d in decoder.requests for part in d["messages"][0]["content"]
+            if part["type"] == "image_embeds"] == [uuid, uuid]
+    assert os.listdir(export) == [uuid] and not (export / "user-item-42").exists()
 
 
 # ---------------------------------------------------------------------------------------------
