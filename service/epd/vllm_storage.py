@@ -54,6 +54,7 @@ from vision.media import Modality
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
 IMAGE_HASH = "mm_hash"  # the file's metadata entry naming the image it holds (vLLM reads the tensor alone)
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors' dtype names, as torch's
 _PLAIN = b"\x03"  # the framing's tag of a plain value (None 0x00, sequence 0x01, mapping 0x02)
 
 
@@ -165,10 +166,6 @@ def write_ec(directory: str | Path, key: str, embedding: torch.Tensor, image: st
         raise BadRequest(f"{where}: the key {key!r} already holds {taken}; an entry is never replaced (the first "
                          "writer's stays): send a uuid of your own") from None
     return target
-
-
-# safetensors' dtype names, as torch names them
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def transfer_params(keys: Sequence[str], modalities: Sequence[Modality],
