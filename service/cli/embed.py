@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.format == "vllm-ec":
         for key, rows in tensors.items():
-            print(f"{key}: {write_ec(args.out, hashes[key], rows)}")
+            try:  # an existing entry is kept, never replaced (service.epd.vllm_storage)
+                print(f"{key}: {write_ec(args.out, hashes[key], rows, hashes[key], key)}")
+            except ServiceError as e:
+                print(f"error: {e}", file=sys.stderr)
+                status = 2
     else:
         with atomic_path(args.out) as tmp:  # ordinary permissions (save_file's own are 0600), and atomic
             save_file(tensors, str(tmp), metadata={"kimi_vision": json.dumps(meta, sort_keys=True)})
