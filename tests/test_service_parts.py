@@ -103,6 +103,16 @@ def test_vllm_encoder_cache_layout(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["abc123"]
 
 
+def test_an_export_that_cannot_be_written_is_retryable(tmp_path):
+    """A file where the key's directory belongs (or a full disk) is the operator's to mend: 503, not 500."""
+    from service.errors import Unavailable
+
+    (tmp_path / "abc123").write_bytes(b"in the way")
+    with pytest.raises(Unavailable, match="cannot write the encoder-cache entry for image"):
+        ec_export.write_ec(tmp_path, "abc123", torch.zeros(2, 4))
+    assert (tmp_path / "abc123").read_bytes() == b"in the way"
+
+
 def test_error_taxonomy_is_one_table():
     """Every failure has a kind; the kind alone decides the gRPC code, the HTTP status and whether a
     batch job retries it."""

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from service.engine import Encoding, Engine, MediaInput
 from service.engine.config import HASH_ALGORITHMS
 from service.epd.base import Delivery, Sink
-from service.errors import BadRequest, NotConfigured
+from service.errors import BadRequest, NotConfigured, Unavailable
 from service.files import atomic_path
 from service.media import UUID_RULE, hash_shaped, is_key
 from vision.media import Modality
@@ -154,7 +154,10 @@ def write_ec(directory: str | Path, key: str, embedding: torch.Tensor, image: st
     try:
         with atomic_path(target, durable=False, replace=False) as tmp:
             save_file({TENSOR_NAME: rows}, str(tmp), metadata=None if image is None else {IMAGE_HASH: image})
-    except FileExistsError:
+    except OSError as exc:
+        if not (isinstance(exc, FileExistsError) and target.is_file()):
+            # A full, read-only or cluttered export is the operator's to mend; the request may retry.
+            raise Unavailable(f"cannot write the encoder-cache entry for {where}: {exc.strerror or exc}") from None
         held, dtype = _held(target)
         ours = str(rows.dtype).removeprefix("torch.")
         if image is not None and held not in (None, image):
@@ -165,6 +168,7 @@ def write_ec(directory: str | Path, key: str, embedding: torch.Tensor, image: st
             return target
         raise BadRequest(f"{where}: the key {key!r} already holds {taken}; an entry is never replaced (the first "
                          "writer's stays): send a uuid of your own") from None
+    return target
     return target
 
 
