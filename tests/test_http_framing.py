@@ -1,0 +1,138 @@
+"""The HTTP face's framing through a real `kimi-vision serve` process on 127.0.0.1 and raw sockets:
+
+- a head a proxy in front could frame differently than this server (both Content-Length and
+  Transfer-Encoding, an obs-folded line, a bare LF or CR, conflicting lengths, a coding other
+  than `chunked`) is a 400 that closes the connection: what was sent after it is never answered
+  nor handled, also behind an answered request on the same connection.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import socket
+import time
+
+import pytest
+from openai_schema import ErrorResponse
+from serve_process import ServeProcess
+
+from service.auth import ENV_VAR
+from service.http.server import LINGER_S
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = secrets.token_urlsafe(24)
+AUTH = f"authorization: Bearer {TOKEN}\r\n".encode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """Plain HTTP, the text log, a token."""
+    log = tmp_path_factory.mktemp("framing") / "serve.log"
+    with ServeProcess.start(["--devices", "cpu:1", "--http-port", "0"], log_path=log, env={ENV_VAR: TOKEN}) as proc:
+        yield proc
+
+
+def _read_answer(sock: socket.socket, buffered: bytes = b"") -> tuple[int, bytes, bytes]:
+    """One HTTP answer (a Content-Length body) from `sock`: (status, body, what came after it)."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed before a whole answer: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(rest) < length:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed inside a body: {data!r}"
+        rest += chunk
+    return int(head.split()[1]), rest[:length], rest[length:]
+
+
+def _until_closed(sock: socket.socket, after: bytes) -> tuple[bytes, float]:
+    """What the server still sends, and the seconds until it closes (EOF)."""
+    start = time.monotonic()
+    while chunk := sock.recv(1 << 16):
+        after += chunk
+    return after, time.monotonic() - start
+
+
+def _logged(server: ServeProcess, words: str, timeout_s: float = 10.0) -> str:
+    """The server's log once a line holding `words` is in it (the log is written off the event loop)."""
+    deadline = time.monotonic() + timeout_s
+    while words not in (log := server.log_text()):
+        assert time.monotonic() < deadline, f"no log line with {words!r}"
+        time.sleep(0.05)
+    return log
+
+
+def _get(path: str, request_id: str, *, auth: bool = True) -> bytes:
+    return (f"GET {path} HTTP/1.1\r\nhost: x\r\nx-request-id: {request_id}\r\n".encode() + (AUTH if auth else b"")
+            + b"\r\n")
+
+
+CHUNKED_BODY = b"2\r\n{}\r\n0\r\n\r\n"
+BAD_HEADS = {  # (the head, a body that frames it as chunked would), and what the 400 says
+    "content-length and transfer-encoding": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 42\r\n"
+                                             b"transfer-encoding: chunked\r\n", "both Content-Length and Transfer"),
+    "transfer-encoding and content-length": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nTransfer-Encoding: "
+                                             b"chunked\r\nContent-Length: 3\r\n", "both Content-Length and Transfer"),
+    "obs-fold": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-note: a\r\n transfer-encoding: chunked\r\n",
+                 "obs-folded header line"),
+    "obs-fold with a tab": (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-note: a\r\n\tb\r\n", "obs-folded header line"),
+    "bare LF everywhere": (b"GET /v1/models HTTP/1.1\nhost: x\n", "bare CR or LF"),
+    "one bare LF": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\ntransfer-encoding: chunked\r\n", "bare CR or LF"),
+    "a bare CR": (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-note: a\rb\r\n", "bare CR or LF"),
+    "conflicting content-lengths": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
+                                    b"content-length: 42\r\n", "invalid HTTP request"),
+    "a coding other than chunked": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                    b"transfer-encoding: gzip, chunked\r\n", "invalid HTTP request"),
+    "transfer-encoding twice": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                                b"transfer-encoding: chunked\r\n", "invalid HTTP request"),
+}
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["first", "behind an answered request"])
+@pytest.mark.parametrize("name", BAD_HEADS)
+def test_an_ambiguous_head_is_a_400_that_closes_the_connection(server: ServeProcess, name: str, ahead: bool) -> None:
+    head, words = BAD_HEADS[name]
+    newline = b"\n" if b"\r" not in head else b"\r\n"
+    first, smuggled = f"first-{secrets.token_hex(4)}", f"smuggled-{secrets.token_hex(4)}"
+    data = head + newline + CHUNKED_BODY + _get("/v1/models", smuggled)
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.settimeout(10)
+        sock.sendall((_get("/v1/models", first) if ahead else b"") + data)  # one write: pipelined
+        rest = b""
+        if ahead:
+            status, _, rest = _read_answer(sock)
+            assert status == 200
+        status, body, rest = _read_answer(sock, rest)
+        after, seconds = _until_closed(sock, rest)
+    error = ErrorResponse.model_validate_json(body).error
+    assert status == error.code == 400 and words in error.message, body
+    assert after == b"" and seconds < LINGER_S / 2  # closed at once: nothing more was answered
+    marker = f"after-{secrets.token_hex(4)}"
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:  # a later request is logged after it
+        sock.settimeout(10)
+        sock.sendall(_get("/v1/models", marker))
+        assert _read_answer(sock)[0] == 200
+    log = _logged(server, marker)
+    assert (first in log) is ahead
+    assert smuggled not in log  # never handled
+
+
+def test_chunked_and_sized_bodies_are_still_served_on_one_connection(server: ServeProcess) -> None:
+    """The same connection, kept alive: a chunked body, a sized one, then a GET (the chat's answer
+    is 400 only because `{}` holds no messages: the body was read and parsed)."""
+    chunked = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + AUTH + b"transfer-encoding: chunked\r\n\r\n"
+    sized = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + AUTH + b"content-length: 2\r\n\r\n{}"
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.settimeout(30)
+        for request in (chunked + CHUNKED_BODY, sized):
+            sock.sendall(request)
+            status, body, rest = _read_answer(sock)
+            assert status == 400 and "messages" in ErrorResponse.model_validate_json(body).error.message, body
+            assert rest == b""
+        sock.sendall(_get("/v1/models", "then-a-get"))
+        assert _read_answer(sock)[0] == 200
