@@ -1,15 +1,18 @@
-"""The HTTP face's framing and connections through real `kimi-vision serve` processes
+"""The HTTP face's framing, connections and log lines through real `kimi-vision serve` processes
 on 127.0.0.1 and raw sockets:
 
 - a head a proxy in front could frame differently than this server (both Content-Length and
   Transfer-Encoding, an obs-folded line, a bare LF or CR, conflicting lengths, a coding other
   than `chunked`) is a 400 that closes the connection: what was sent after it is never answered
   nor handled, also behind an answered request on the same connection;
+- a caller's CR, LF and other control characters in a path stay on one line of the text log, and
+  intact in valid JSON in the JSON log;
 - kept-alive requests are as fast as a fresh connection's, in plain HTTP and over TLS.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import socket
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TOKEN = secrets.token_urlsafe(24)
 AUTH = f"authorization: Bearer {TOKEN}\r\n".encode()
+TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")  # the text format's first column
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +51,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory, tls_files: tuple[Path, Path]):
-    """HTTP over TLS, a token."""
+    """HTTP over TLS, the JSON log, a token."""
     cert, key = tls_files
     log = tmp_path_factory.mktemp("framing-tls") / "serve.log"
-    args = ["--devices", "cpu:1", "--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key)]
+    args = ["--devices", "cpu:1", "--http-port", "0", "--log-format", "json", "--tls-cert", str(cert),
+            "--tls-key", str(key)]
     with ServeProcess.start(args, log_path=log, env={ENV_VAR: TOKEN}) as proc:
         yield proc
 
@@ -157,6 +162,38 @@ def test_chunked_and_sized_bodies_are_still_served_on_one_connection(server: Ser
             assert rest == b""
         sock.sendall(_get("/v1/models", "then-a-get"))
         assert _read_answer(sock)[0] == 200
+
+
+# A path that would write a fake record if logged as it is: CR LF, then what a record looks like.
+FORGED = "2026-01-01 00:00:00,000 INFO kimi_vision.server: forged"
+EVIL_PATH = "/v1/models%0d%0a" + FORGED.replace(" ", "%20") + "%e2%80%a8%1b[31m%0a"
+EVIL_DECODED = "/v1/models\r\n" + FORGED + "\u2028\x1b[31m\n"
+
+
+def test_a_path_with_line_breaks_stays_on_one_line_of_the_text_log(server: ServeProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(_get(EVIL_PATH, "evil-path", auth=False))  # refused (no token), with a warning naming the path
+        assert _read_answer(sock)[0] == 401
+    log = _logged(server, "id=evil-path")
+    lines = [line for line in log.splitlines() if "forged" in line]
+    escaped = r"/v1/models\r\n" + FORGED + r"\u2028\x1b[31m\n"
+    assert any("WARNING" in line and f"refused GET {escaped}: " in line for line in lines), lines
+    assert lines and all(TIMESTAMP.match(line) and not line.startswith(FORGED) for line in lines), lines
+
+
+def test_a_path_with_line_breaks_is_intact_in_valid_json(tls_server: ServeProcess,
+                                                         tls_files: tuple[Path, Path]) -> None:
+    context = ssl.create_default_context(cafile=str(tls_files[0]))
+    with (socket.create_connection(("127.0.0.1", tls_server.http_port)) as raw,
+          context.wrap_socket(raw, server_hostname="127.0.0.1") as sock):
+        sock.settimeout(10)
+        sock.sendall(_get(EVIL_PATH, "evil-path", auth=False))
+        assert _read_answer(sock)[0] == 401
+    _logged(tls_server, '"request_id": "evil-path", "method"')
+    records = [json.loads(line) for line in tls_server.log_text().splitlines()]  # every line one JSON object
+    (warning,) = [r for r in records if r["message"].startswith("refused GET")]
+    assert warning["message"].startswith(f"refused GET {EVIL_DECODED}: ") and warning["request_id"] == "evil-path"
 
 
 def _round_trip(sock: socket.socket, request: bytes) -> float:
