@@ -15,6 +15,13 @@ lines, errors included. In JSON, whatever else reaches the process's stderr or s
 core, the encoder workers, a `print`) is captured line by line as records of the logger `stderr`
 or `stdout`, written to the log (stderr), and `announce` writes its line on the real stdout as a
 JSON object too: every line the process writes on either stream is one JSON object.
+
+A caller's values (a path, a header, a field) reach log lines, so neither format lets a value
+start a line of its own: JSON escapes every control character, and the text format writes each
+character that is not printable (CR, LF, tab, the other C0 and C1 controls, U+2028/2029, bidi and
+other format characters) as its Python escape (`\\n`, `\\x1b`, `\\u2028`). A traceback is the one
+thing written on more lines: each of them indented (and escaped alike), so every line that begins
+at its first column is a record's own, with its time.
 """
 
 from __future__ import annotations
@@ -69,6 +76,36 @@ def log_access(logger: logging.Logger, *, request_id: str, method: str, peer: st
                 extra={"request_id": request_id, "method": method, "peer": peer, "status": status,
                        "duration_ms": round(seconds * 1e3, 3), "request_bytes": request_bytes,
                        "response_bytes": response_bytes})
+
+
+def escaped(text: str) -> str:
+    """`text` with each character that is not printable written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _indented(text: str) -> str:
+    return "\n".join("  " + escaped(line) for line in text.split("\n"))
+
+
+class TextFormatter(logging.Formatter):
+    """FORMAT, one line per record whatever a caller put in its message; a traceback and a stack
+    follow on indented lines."""
+
+    def __init__(self) -> None:
+        super().__init__(FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record, self.datefmt)
+        line = escaped(self.formatMessage(record))
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)  # kept on the record, as logging does
+        for more in (record.exc_text, record.stack_info and self.formatStack(record.stack_info)):
+            if more:
+                line += "\n" + _indented(more)
+        return line
 
 
 class JsonFormatter(logging.Formatter):
@@ -184,7 +221,7 @@ class ServerLog:
         self._stdout = self._captured[1].stream if self._captured else sys.stdout
         self._formatter = JsonFormatter() if log_format == "json" else None
         self._sink = logging.StreamHandler(stream or (self._captured[0].stream if self._captured else sys.stderr))
-        self._sink.setFormatter(self._formatter or logging.Formatter(FORMAT))
+        self._sink.setFormatter(self._formatter or TextFormatter())
         root = logging.getLogger()
         root.setLevel(level)
         root.addHandler(self.handler)

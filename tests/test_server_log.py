@@ -17,7 +17,7 @@ from PIL import Image
 from serve_process import ServeProcess
 
 from service.cpus import cpu_budget
-from service.logs import ServerLog
+from service.logs import ServerLog, log_access
 from service.rpc.client import VisionClient
 
 
@@ -148,3 +148,53 @@ def test_json_log_captures_whatever_else_reaches_stdout(tmp_path):
     logged = [json.loads(line) for line in done.stderr.splitlines()]
     assert sorted((r["logger"], r["message"]) for r in logged) == [
         ("stderr", "to stderr"), ("stdout", "a child"), ("stdout", "a raw write"), ("stdout", "a stray print")]
+
+
+# A value a caller chose, as a warning or an access line would log it: each character that could end
+# a line (or hide what follows on a terminal) and, after a line break, what a record looks like.
+HOSTILE = "a\r\n2026-01-01 00:00:00,000 INFO kimi_vision.server: forged\u2028\u2029\x1b[2K\x85\u202e\x00\tb"
+
+
+def _log_through_server_log(log_format: str) -> list[str]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    log = ServerLog(stream=stream, log_format=log_format)
+    logger = logging.getLogger("kimi_vision.test")
+    try:
+        logger.warning("push to %s failed", HOSTILE)
+        log_access(logger, request_id="rid", method=f"POST {HOSTILE}", peer=HOSTILE, status_name="status",
+                   status="400", seconds=0.001, request_bytes=1, response_bytes=2)
+        try:
+            raise ValueError(f"bad value {HOSTILE}")
+        except ValueError:
+            logger.exception("a bug")
+    finally:
+        log.close(timeout_s=10)
+        root.setLevel(level)
+    return stream.getvalue().split("\n")[:-1]  # only LF ends a line (as a terminal or `tail` reads it)
+
+
+def test_the_text_log_keeps_a_callers_value_on_its_line():
+    lines = _log_through_server_log("text")
+    shown = r"a\r\n2026-01-01 00:00:00,000 INFO kimi_vision.server: forged\u2028\u2029\x1b[2K\x85\u202e\x00\tb"
+    assert lines[0].endswith(f"WARNING kimi_vision.test: push to {shown} failed")
+    assert lines[1].endswith(f"INFO kimi_vision.test: POST {shown} peer={shown} status=400 ms=1.0 in=1 out=2 id=rid")
+    assert lines[2].endswith("ERROR kimi_vision.test: a bug")
+    # A traceback is ours, on lines of its own, each indented: no line of it reads as a record, even
+    # where an exception's message holds the caller's line break.
+    traceback = lines[3:]
+    assert traceback[0] == "  Traceback (most recent call last):"
+    assert traceback[-2:] == [r"  ValueError: bad value a\r", "  " + shown.split(r"\n", 1)[1]]
+    assert all(line.startswith("  ") for line in traceback)
+    assert all(line.isprintable() for line in lines)
+    assert sum(line.startswith("2026-01-01") for line in lines) == 0
+
+
+def test_the_json_log_keeps_a_callers_value_intact():
+    lines = _log_through_server_log("json")
+    assert all(line.isascii() and line.isprintable() for line in lines)  # json escapes the rest
+    warning, access, bug = (json.loads(line) for line in lines)
+    assert warning["message"] == f"push to {HOSTILE} failed"
+    assert (access["method"], access["peer"]) == (f"POST {HOSTILE}", HOSTILE)
+    assert bug["message"] == "a bug" and bug["exception"].endswith(f"ValueError: bad value {HOSTILE}")

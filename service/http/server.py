@@ -10,12 +10,24 @@ object; after such a refusal the connection is closed gracefully (what the clien
 read and dropped for a moment, so it reads the answer instead of a reset); a body the app did not
 read (a 413 before it) is drained for at most the body timeout. Each refusal is counted and
 logged like any request (`HttpApp.refused`).
+
+h11 is lenient where RFC 9112 lets a server be strict, and a proxy in front of this server may
+read the same bytes differently (request smuggling): `_StrictConnection` refuses, before h11 reads
+it, a head with a bare LF or CR, an obs-folded header line, or both Content-Length and
+Transfer-Encoding; h11 itself refuses conflicting Content-Lengths and any Transfer-Encoding but
+`chunked`. Each is a 400 that closes the connection, so no byte after a refused head is read as
+a request.
+
+The listening socket has TCP_NODELAY, which Linux gives each accepted connection (asyncio sets it
+only on sockets made with IPPROTO_TCP): without it, an answer written in two parts waits for the
+client's delayed ACK, 40 ms and more on every request of a kept-alive connection after its first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -30,6 +42,7 @@ from service.http.app import HttpApp
 from service.http.errors import raw_response
 
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
+_HEAD_END = re.compile(rb"\n\r?\n")  # where h11 ends a request's head (it takes bare LFs too)
 
 
 class _Server(uvicorn.Server):
@@ -38,11 +51,47 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _framing_fault(head: bytes) -> str | None:
+    """Why a request's whole head (request line, headers, blank line) breaks RFC 9112's framing
+    rules that h11 does not keep, or None."""
+    unpaired = head.replace(b"\r\n", b"")
+    if b"\r" in unpaired or b"\n" in unpaired:
+        return "a bare CR or LF in the request head (each line must end in CRLF)"
+    lines = head.split(b"\r\n")[1:]
+    if any(line[:1] in (b" ", b"\t") for line in lines):
+        return "an obs-folded header line (one that begins with a space or tab)"
+    names = {line.partition(b":")[0].lower() for line in lines}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return "both Content-Length and Transfer-Encoding headers"
+    return None
+
+
+class _StrictConnection(h11.Connection):
+    """h11's server side that refuses a head `_framing_fault` finds, before h11 reads it (uvicorn
+    answers the RemoteProtocolError with `send_400_response`); `fault` says why, once it did."""
+
+    fault: str | None = None
+
+    def next_event(self) -> Any:
+        if self.their_state is h11.IDLE:
+            buffered = self.trailing_data[0]  # a head under the header limit, and at most one read more
+            end = _HEAD_END.search(buffered)
+            fault = _framing_fault(buffered[:end.end()]) if end else None
+            if fault is not None:
+                self.fault = fault
+                raise h11.RemoteProtocolError(fault)
+        return super().next_event()
+
+
 class _GuardedH11(H11Protocol):
     """H11Protocol with a header timeout, 431 and 400 as OpenAI errors, graceful closes after a
     refusal, and a bound on draining an unread body. `app` is set per server (a subclass)."""
 
     app_face: HttpApp
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = _StrictConnection(h11.SERVER, self.config.h11_max_incomplete_event_size)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -82,7 +131,9 @@ class _GuardedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """What uvicorn answers when h11 cannot parse the request."""
         limit = self.app_face.config.max_header_bytes
-        if len(self.conn.trailing_data[0]) > limit:
+        if self.conn.fault is not None:
+            self._refuse(BadRequest(f"invalid HTTP request: {self.conn.fault}"))
+        elif len(self.conn.trailing_data[0]) > limit:
             self._refuse(HeadersTooLarge(f"the request line and headers are over the {limit:,}-byte limit"))
         else:
             self._refuse(BadRequest("invalid HTTP request (not HTTP/1.1 as h11 reads it)"))
@@ -121,6 +172,7 @@ class HttpServer:
         self._app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self._socket.bind((host, port))
         except OSError as exc:
