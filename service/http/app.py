@@ -11,7 +11,8 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   `stream: true` it is one SSE chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed
   chunks carry none (its proxy asks with `stream: false`).
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
-  its bodies are read, and its images fetched, as the chat route reads and fetches them.
+  its bodies are read, and its images fetched, as the chat route reads and fetches them (here, or
+  with `--epd-port` on an app of their own: `create_app(openai=False)`).
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
   token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names (503 with admission's reason while there is no model:

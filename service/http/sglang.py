@@ -1,6 +1,7 @@
 """SGLang 0.5.23's encoder disaggregation on the HTTP face: this server as the encoder
 (`--encoder-only`) of SGLang language servers (`--language-only --encoder-urls`), on the same port
-as the OpenAI API. The routes, fields and answers are those of SGLang's own encoder server
+as the OpenAI API, or on a listener of their own (`--epd-port`; the OpenAI port then serves none).
+The routes, fields and answers are those of SGLang's own encoder server
 (sglang/srt/disaggregation/encoder/http_server.py and runtime.py):
 
 - `POST /encode` `{req_id, mm_items, modality, num_parts, part_idx, prefill_host, embedding_port, ...}`:
@@ -12,11 +13,17 @@ as the OpenAI API. The routes, fields and answers are those of SGLang's own enco
   by the face's one fetcher (the same rules: `--allowed-media-domains`, `--media-fetch-timeout`,
   `--max-media-fetches`; all at once, outside the work slots), and only then a work slot.
   Where to, the request says (`embedding_port`: an int, a list, or null for the ranks that register
-  it); both backends are served at once, request by request. The answer, after the push: 200
-  `null`. The request keeps its admission place (not its work slot) until the push ends, so a
-  drain waits for the rows to reach the language side.
+  it); both backends are served at once, request by request. Every destination is checked by
+  `--epd-allowed-destinations` (`service.epd.destinations`) before any connection: one not allowed
+  is a 400 naming the rule, and gets no error report either. The answer, after the push: 200
+  `null`. The request gives its admission place back once its rows are made: the push runs within
+  the transport's own budget of sockets and time (503 when spent), so pushes to a slow language
+  side never take capacity from the chat route; a client that leaves during the push is logged
+  499 and the push goes on (a drain waits for it, up to its grace).
 - `POST /scheduler_receive_url` `{req_id, receive_count, receive_url, modality}`: a scheduler rank
   names where it takes a part (`zmq_to_scheduler`); before or after that part's `/encode` arrives.
+  The address is checked as an `/encode`'s; the part's other ranks register from the first one's
+  host (another host's registration of it, or its count, is refused).
 - `GET /health_generate`: a fresh tiny image through the engine when it is idle (200, else 503); `GET /health` is
   the face's own (200 serving, 503 warming up or draining), which SGLang's encoder registry probes.
 - `POST /send`, `POST /scheduler_receive_meta_data`: SGLang's `mooncake` (RDMA) backend, not served:
@@ -26,7 +33,8 @@ A failure (a bad image, a full server, a bad field, a slow body) is answered at 
 body shape by the face's one error renderer (`service.http.errors`: the status the taxonomy gives
 on every route), and, once the part's destination is known, also pushed there as SGLang's error
 `EmbeddingData`: the language side fails the request then, instead of waiting for its timeout.
-These routes take no token: SGLang's language side sends none (keep the port on the cluster network).
+These routes take no token: SGLang's language side sends none (serve them on `--epd-port`, facing
+only the language servers).
 """
 
 from __future__ import annotations
