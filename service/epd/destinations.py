@@ -32,6 +32,7 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 PEER = "peer"
 DEFAULT = (PEER,)
 RESOLVE_TIMEOUT_S = 5.0  # a request's host name must resolve within this (else 503, retryable)
+MAX_LOOKUPS = 16  # host names of requests being resolved at once (each a thread's wait; more: 503)
 FLAG = "--epd-allowed-destinations"
 
 
@@ -171,11 +172,12 @@ class Guard:
     def __init__(self, rule: DestinationRule, own_ports: Callable[[], Iterable[int]]) -> None:
         self.rule = rule
         self._own_ports = own_ports
+        self._lookups = 0
 
     async def check(self, named: Named, peer: str | None) -> tuple[Address, ...]:
         """The checked addresses, one per port (BadRequest naming the rule: not allowed)."""
         caller = peer_address(peer)
-        ips = await _resolve(named.host)
+        ips = await self._resolve(named.host)
         own = set(self._own_ports())
         for ip in ips:
             for port in named.ports:
@@ -188,6 +190,19 @@ class Guard:
                     raise BadRequest(f"the destination {shown} port {port} is not allowed by {FLAG} "
                                      f"{self.rule}{whose}")
         return tuple(Address(ips[0], port) for port in named.ports)
+
+    async def _resolve(self, host: str) -> list[IP]:
+        try:
+            return [_ip(host)]
+        except ValueError:
+            pass
+        if self._lookups >= MAX_LOOKUPS:
+            raise Unavailable(f"{MAX_LOOKUPS} destination host names are being resolved; retry shortly")
+        self._lookups += 1
+        try:
+            return await _lookup(host)
+        finally:
+            self._lookups -= 1
 
 
 def peer_address(peer: str | None) -> IP | None:
@@ -207,12 +222,8 @@ def _is_local(ip: IP) -> bool:
         raise
 
 
-async def _resolve(host: str) -> list[IP]:
-    """The host's addresses: itself when it is one, else one lookup within RESOLVE_TIMEOUT_S."""
-    try:
-        return [_ip(host)]
-    except ValueError:
-        pass
+async def _lookup(host: str) -> list[IP]:
+    """The host name's addresses, from one lookup within RESOLVE_TIMEOUT_S."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(RESOLVE_TIMEOUT_S):
