@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from service.admission import Admission, State
 from service.engine import Engine, EngineConfig
-from service.http.app import HttpConfig, create_app
+from service.http.app import HttpConfig, create_app, one_fetcher
 from service.http.server import HttpServer
 from service.metrics import Metrics, MetricsServer
 from service.rpc.server import SERVICE_NAME, GrpcConfig, GrpcFace
@@ -44,6 +44,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # the gRPC face (0 = any free port; see VisionServer.port)
     http_port: int | None = None  # the OpenAI-compatible HTTP face (None: off; 0: any free port)
+    # SGLang's encoder routes on a listener of their own (None: on http_port; 0: any free port)
+    epd_port: int | None = None
+    epd_host: str | None = None  # where epd_port listens (None: host)
     health_port: int | None = None  # the gRPC health service alone, plaintext (None: off; 0: any)
     metrics_port: int | None = None  # /metrics (None: off; 0: any free port)
     max_concurrency: int = 4  # requests doing work at once, over both faces
@@ -71,8 +74,10 @@ class VisionServer:
                                    bodies=config.max_bodies_in_flight)
         self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks)
         self.http: HttpServer | None = None
+        self.epd: HttpServer | None = None
         self.port: int | None = None
         self.http_port: int | None = None
+        self.epd_port: int | None = None
         self.health_port: int | None = None
         self.metrics_port: int | None = None
         self.load_error: BaseException | None = None
@@ -85,6 +90,16 @@ class VisionServer:
     def engine(self) -> Engine | None:
         """The engine, once loaded (None while it loads, and after the server stopped it)."""
         return self._loaded
+
+    def listening_ports(self) -> set[int]:
+        """Every port this server listens on (known once each is bound): never a push destination."""
+        return {port for port in (self.port, self.http_port, self.epd_port, self.health_port, self.metrics_port)
+                if port}
+
+    @property
+    def _pushing(self) -> bool:
+        """Whether an HTTP listener's deliveries (SGLang's pushes) are still under way."""
+        return any(server is not None and server.busy for server in (self.http, self.epd))
 
     @property
     def draining(self) -> bool:
@@ -99,12 +114,20 @@ class VisionServer:
         self.port = await self.grpc.start(cfg.host, cfg.port)
         if cfg.health_port is not None:
             self.health_port = await self.grpc.start_health_port(cfg.host, cfg.health_port)
+        certfile, keyfile = cfg.http.tls_files or (None, None)
+        fetcher = one_fetcher(cfg.http)  # one for both HTTP listeners
         if cfg.http_port is not None:
-            certfile, keyfile = cfg.http.tls_files or (None, None)
-            app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks)
+            app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks,
+                             sglang=cfg.epd_port is None, own_ports=self.listening_ports, fetcher=fetcher)
             self.http = HttpServer(app, cfg.host, cfg.http_port, certfile=certfile, keyfile=keyfile)
             self.http_port = self.http.port
             await self.http.start()
+        if cfg.epd_port is not None:
+            app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks,
+                             openai=False, own_ports=self.listening_ports, fetcher=fetcher)
+            self.epd = HttpServer(app, cfg.epd_host or cfg.host, cfg.epd_port, certfile=certfile, keyfile=keyfile)
+            self.epd_port = self.epd.port
+            await self.epd.start()
         if cfg.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
             self.metrics_port = self._metrics_server.port
@@ -155,8 +178,9 @@ class VisionServer:
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop taking work, let admitted requests finish (up to the grace period), then stop.
 
-        Only admitted requests are waited for: open health Watch streams end at once (NOT_SERVING
-        is their last message), and whatever else is open gets `STOP_GRACE_S`."""
+        Admitted requests and the pushes of rows still under way (SGLang's, which hold no place) are
+        waited for: open health Watch streams end at once (NOT_SERVING is their last message), and
+        whatever else is open gets `STOP_GRACE_S`."""
         if self.draining:
             await self._stopped.wait()
             return
@@ -166,13 +190,14 @@ class VisionServer:
                  self.admission.admitted, grace)
         await self.grpc.shut_down_health()
         deadline = time.monotonic() + grace
-        while self.admission.admitted and time.monotonic() < deadline:
+        while (self.admission.admitted or self._pushing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop(grace=STOP_GRACE_S)
 
     async def stop(self, grace: float | None = 0) -> None:
-        if self.http is not None:
-            await self.http.stop()
+        for server in (self.http, self.epd):
+            if server is not None:
+                await server.stop()
         await self.grpc.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -58,6 +58,7 @@ class ServeProcess:
         self.host = ""
         self.port = 0
         self.http_port: int | None = None  # the HTTP face's, when started with --http-port
+        self.epd_port: int | None = None  # SGLang's routes' own, with --epd-port
         self.health_port: int | None = None  # the plaintext health port, with --health-port
         self.metrics_port: int | None = None  # with --metrics-port
         self._ready: list[tuple[str, int, dict[str, int]]] = []
@@ -104,7 +105,8 @@ class ServeProcess:
                                    + self.log_path.read_text(errors="replace")[-4000:])
             time.sleep(0.05)
         self.host, self.port, more = self._ready[0]
-        self.http_port, self.health_port, self.metrics_port = (more.get(k) for k in ("http", "health", "metrics"))
+        self.http_port, self.epd_port, self.health_port, self.metrics_port = (
+            more.get(k) for k in ("http", "epd", "health", "metrics"))
         return self
 
     @property

@@ -11,7 +11,10 @@ real ZMQ sockets:
 - remote images are fetched by the chat route's rules (`--allowed-media-domains`, the image count
   before any fetch), from a real upstream on 127.0.0.1;
 - the object on the wire is SGLang's EmbeddingData as its own encoder builds it, attribute for attribute;
-- refusals (fields, video, mooncake) and `/health`, `/health_generate`;
+- refusals (fields, video, mooncake, sizes over the bounds) and `/health`, `/health_generate`;
+- the documented two-host deployment (loopback aliases): SGLang's routes on `--epd-port` only, both
+  transports to a language side on 127.0.0.2 allowed by `--epd-allowed-destinations`, a third host
+  neither joining nor breaking a registered part;
 - a drain (SIGTERM) waits for a push still in flight: the language side gets its rows; a server
   stopped in its own process leaves no error report running on its loop.
 """
@@ -233,6 +236,9 @@ def test_the_wire_object_is_sglangs_embedding_data():
     ({"mm_items": [{"url": "data:,", "max_dynamic_patch": 6}]}, "max_dynamic_patch"),
     ({"mm_items": ["/etc/passwd"]}, "does not read local files"),
     ({"embedding_port": "x"}, "embedding_port"),
+    ({"req_id": "r" * 257}, "req_id is over 256 bytes"),
+    ({"num_parts": 10**30}, "num_parts must be a positive integer up to 1024"),
+    ({"embedding_port": list(range(1000, 1065))}, "at most 64"),
 ])
 def test_refused_encode_requests(http, change, words):
     reply = http.post("/encode", json={**_encode_body("refused", IMAGES[:1], 1, 0, embedding_port=5), **change})
@@ -294,3 +300,75 @@ def test_a_stopped_server_leaves_no_error_report_running(tiny_checkpoint):
 
         assert handle.submit(reports()).result(10) == 1  # waiting for its peer (up to SEND_TIMEOUT_S)
     assert not [task for task in asyncio.all_tasks(handle.loop) if task.get_coro().__qualname__ == "Pusher.deliver"]
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """The documented two-host deployment on loopback aliases: the encoder on 127.0.0.1 with SGLang's
+    routes on their own port (`--epd-port`), the language side on 127.0.0.2 (its tokenizer and
+    ranks bind there), its /encode sent from 127.0.0.1 (another host than the one it names, so
+    that host is allowed by `--epd-allowed-destinations`)."""
+    with ServeProcess.start(["--devices", "cpu:1", "--http-port", "0", "--epd-port", "0",
+                             "--epd-allowed-destinations", f"peer,{LANGUAGE_HOST}"],
+                            log_path=tmp_path_factory.mktemp("two-hosts") / "serve.log") as proc:
+        yield proc
+
+
+LANGUAGE_HOST = "127.0.0.2"
+
+
+def _client(port: int, source: str) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                        transport=httpx.HTTPTransport(local_address=source))
+
+
+def test_epd_routes_on_their_own_port_only(two_hosts):
+    with _client(two_hosts.http_port, "127.0.0.1") as public, _client(two_hosts.epd_port, "127.0.0.1") as epd:
+        for path in ("/encode", "/scheduler_receive_url", "/send", "/scheduler_receive_meta_data"):
+            assert public.post(path, json={}).status_code == 404, path
+            assert epd.post(path, json={}).status_code == 400, path
+        assert public.get("/health_generate").status_code == 404 and epd.get("/health_generate").status_code == 200
+        assert epd.get("/v1/models").status_code == 404 and public.get("/v1/models").status_code == 200
+        assert public.get("/health").status_code == epd.get("/health").status_code == 200
+
+
+def test_both_transports_reach_another_host(two_hosts, context, expected):
+    """zmq_to_tokenizer: the tokenizer on 127.0.0.2, named by an /encode from 127.0.0.1;
+    zmq_to_scheduler: two ranks on 127.0.0.2 register from there. SGLang's receiver takes the rows."""
+    def pull() -> tuple[zmq.Socket, int]:
+        sock = context.socket(zmq.PULL)
+        return sock, sock.bind_to_random_port(f"tcp://{LANGUAGE_HOST}")
+
+    tokenizer, port = pull()
+    with _client(two_hosts.epd_port, "127.0.0.1") as caller, _client(two_hosts.epd_port, LANGUAGE_HOST) as ranks:
+        reply = caller.post("/encode", json=_encode_body("far-1", IMAGES[1:2], 1, 0, embedding_port=port,
+                                                         prefill_host=LANGUAGE_HOST))
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        _check(receive(tokenizer, "far-1", timeout_s=30), [1], expected)
+
+        bound = [pull() for _ in range(2)]
+        part_id = receiver.create_part_req_id("far-2", 0)
+        for _, rank_port in bound:
+            assert ranks.post("/scheduler_receive_url", json={
+                "req_id": part_id, "receive_count": 2, "modality": "IMAGE",
+                "receive_url": f"{LANGUAGE_HOST}:{rank_port}"}).status_code == 200
+        # A third host can neither add itself to the part nor change its rank count.
+        with _client(two_hosts.epd_port, "127.0.0.3") as stranger:
+            for count in (2, 3):
+                refused = stranger.post("/scheduler_receive_url", json={
+                    "req_id": part_id, "receive_count": count, "modality": "IMAGE",
+                    "receive_url": f"{LANGUAGE_HOST}:{bound[0][1]}"})
+                assert refused.status_code == 400 and "another host" in refused.json()["message"], refused.text
+        mismatch = ranks.post("/scheduler_receive_url", json={"req_id": part_id, "receive_count": 3,
+                                                              "modality": "IMAGE",
+                                                              "receive_url": f"{LANGUAGE_HOST}:{bound[0][1]}"})
+        assert mismatch.status_code == 400 and "Inconsistent receive_count" in mismatch.json()["message"]
+        reply = caller.post("/encode", json=_encode_body("far-2", IMAGES[:1], 1, 0, embedding_port=None))
+        assert (reply.status_code, reply.json()) == (200, None), reply.text
+        for sock, _ in bound:
+            _check(receive(sock, "far-2", timeout_s=30), [0], expected)
+
+        # Not on the list: 127.0.0.3 is neither the caller nor allowed.
+        refused = caller.post("/encode", json=_encode_body("far-3", IMAGES[1:2], 1, 0, embedding_port=port,
+                                                           prefill_host="127.0.0.3"))
+        assert refused.status_code == 400 and "peer,127.0.0.2" in refused.json()["message"], refused.text

@@ -109,7 +109,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reply has no completion tokens; see docs/EPD.md")
     parser.add_argument("--http-port", type=port_number, metavar="PORT",
                         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /health, "
-                             "/v1/models) and SGLang's encoder protocol (/encode) on this port (0 = any free port)")
+                             "/v1/models) and, without --epd-port, SGLang's encoder protocol (/encode, "
+                             "/scheduler_receive_url, ...) on this port (0 = any free port)")
+    parser.add_argument("--epd-port", type=port_number, metavar="PORT",
+                        help="serve SGLang's encoder protocol (/encode, /scheduler_receive_url, /send, "
+                             "/scheduler_receive_meta_data, /health_generate, and /health) on this port instead of "
+                             "--http-port (which then answers 404 there), so the OpenAI API can face clients "
+                             "while these routes, which take no token, face only the language servers "
+                             "(0 = any free port); see docs/EPD.md")
+    parser.add_argument("--epd-host", metavar="HOST",
+                        help="address --epd-port listens on, e.g. the cluster network's (default: --host)")
+    parser.add_argument("--epd-allowed-destinations", action="append", metavar="LIST",
+                        help="where SGLang's pushes may connect (an /encode's prefill_host:embedding_port, a "
+                             "registered receive_url): a comma list (repeatable) of `peer` (the address of the "
+                             "HTTP caller naming or registering it), IP addresses, CIDRs and host names (resolved "
+                             "at start), each with an optional :PORT or :LOW-HIGH ([v6]:PORT for IPv6); "
+                             "anything else is refused (400) before any connection, and so is any of this "
+                             "server's own listening ports. Default: peer (a single node, or language servers "
+                             "that name their own host, as SGLang's do)")
     add_remote_image_arguments(parser, who="HTTP requests")
     value = config_default(server, "max_bodies_in_flight")
     parser.add_argument("--max-bodies-in-flight", type=positive_int, default=value, metavar="N",
@@ -159,6 +176,8 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}"
     if args.ec_role == "producer" and not args.ec_export_dir:
         return "--ec-role producer needs --ec-export-dir (where the encoder-cache files go)"
+    if args.epd_host is not None and args.epd_port is None:
+        return "--epd-host needs --epd-port (the listener it places)"
     if args.ec_role == "producer" and args.http_port is None:
         return "--ec-role producer needs --http-port (vLLM's proxy calls the encoder over HTTP)"
     return None
@@ -206,6 +225,14 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from service.epd.destinations import DEFAULT, DestinationRule
+
+    try:
+        destinations = DestinationRule.parse(args.epd_allowed_destinations or DEFAULT)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
     import asyncio
 
     import torch
@@ -233,13 +260,15 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
     log.info("CPUs: %s", cpus)
 
     def announce(server: VisionServer) -> None:
-        ports = (("http", server.http_port), ("health", server.health_port), ("metrics", server.metrics_port))
-        more = "".join(f"; {name} on {args.host}:{port}" for name, port in ports if port is not None)
+        ports = (("http", args.host, server.http_port), ("epd", args.epd_host or args.host, server.epd_port),
+                 ("health", args.host, server.health_port), ("metrics", args.host, server.metrics_port))
+        more = "".join(f"; {name} on {host}:{port}" for name, host, port in ports if port is not None)
         server_log.announce(f"kimi-vision: serving on {args.host}:{server.port} (health SERVING){more}")
 
     try:
         config = ServerConfig(
-            host=args.host, port=args.port, http_port=args.http_port, health_port=args.health_port,
+            host=args.host, port=args.port, http_port=args.http_port, epd_port=args.epd_port,
+            epd_host=args.epd_host, health_port=args.health_port,
             metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
             max_bodies_in_flight=args.max_bodies_in_flight, drain_grace_s=args.drain_seconds,
             log_health_checks=args.log_health_checks,
@@ -250,7 +279,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
                             token=token, allow_remote_images=args.allow_remote_images,
                             allowed_media_domains=tuple(args.allowed_media_domains or ()) or None,
                             media_fetch_timeout_s=args.media_fetch_timeout, max_media_fetches=args.max_media_fetches,
-                            ec_producer=args.ec_role == "producer",
+                            ec_producer=args.ec_role == "producer", epd_destinations=destinations,
                             tls_files=(args.tls_cert, args.tls_key) if credentials else None),
         )
         engine_config = EngineConfig(

@@ -24,5 +24,10 @@ class Sink(ABC):
     @abstractmethod
     async def deliver(self, engine: Engine, encoding: Encoding, destination: Any = None) -> Delivery: ...
 
+    @property
+    def busy(self) -> bool:
+        """Whether deliveries are still under way that a drain waits for (pushes in flight)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - a sink that holds nothing has nothing to close
         """Once the server stopped serving: what the sink holds (sockets)."""

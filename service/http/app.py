@@ -11,7 +11,8 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   `stream: true` it is one SSE chunk and `[DONE]`, without `ec_transfer_params`, as vLLM's streamed
   chunks carry none (its proxy asks with `stream: false`).
 - SGLang's encoder protocol (`sglang.py`): `POST /encode`, `/scheduler_receive_url`, `GET /health_generate`;
-  its bodies are read, and its images fetched, as the chat route reads and fetches them.
+  its bodies are read, and its images fetched, as the chat route reads and fetches them (here, or
+  with `--epd-port` on an app of their own: `create_app(openai=False)`).
 - `GET` (and `HEAD`) `/health`: 200 while the server serves, 503 while it warms up or drains (no
   token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names (503 with admission's reason while there is no model:
@@ -41,11 +42,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -55,7 +56,8 @@ from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import Choice, Encoding, Engine, GenerationResult, Prepared
-from service.epd.base import Delivery
+from service.epd.base import Delivery, Sink
+from service.epd.destinations import DestinationRule, Guard
 from service.epd.vllm_storage import ItemKey, VllmStorageSink
 from service.errors import (
     ClientGone,
@@ -69,6 +71,7 @@ from service.errors import (
 )
 from service.fetch import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, MediaFetcher
 from service.http.errors import error_response
+from service.http.gone import unless_disconnected
 from service.http.sglang import add_sglang_routes
 from service.jsontext import parse_json
 from service.logs import REQUEST_ID, log_access, request_id
@@ -96,6 +99,8 @@ class HttpConfig:
     max_media_fetches: int = DEFAULT_CONCURRENCY  # remote image fetches at once, over all requests
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
     tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files: serve HTTPS
+    # Where SGLang's pushes may go (--epd-allowed-destinations; default: the caller's own address).
+    epd_destinations: DestinationRule = field(default_factory=DestinationRule.parse)
 
 
 class _Stream(StreamingResponse):
@@ -131,12 +136,17 @@ class HttpApp:
         self.config = config
         self.token = BearerToken(config.token) if config.token else None
         self.log_health_checks = log_health_checks
-        self.closing: list[Callable[[], None]] = []  # what the routes hold beyond a request (SGLang's pushes)
+        self.sinks: list[Sink] = []  # what the routes hold beyond a request (SGLang's pushes)
+
+    @property
+    def busy(self) -> bool:
+        """Whether deliveries its routes started are still under way (a drain waits for them)."""
+        return any(sink.busy for sink in self.sinks)
 
     def close(self) -> None:
         """Once the server stopped serving: what the routes hold."""
-        for close in self.closing:
-            close()
+        for sink in self.sinks:
+            sink.close()
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
@@ -208,12 +218,10 @@ def _printable(path: str) -> str:
     return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
-def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
-               log_health_checks: bool = False) -> HttpApp:
-    """The face on one server process's admission (which holds the engine) and metrics."""
-    app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
-    face = HttpApp(app, metrics, config, log_health_checks)
-    fetchers: list[MediaFetcher] = []  # one, made with the engine's per-item limit, shared by every request
+def one_fetcher(config: HttpConfig) -> Callable[[Engine], MediaFetcher]:
+    """The face's one media fetcher, made on first use with the engine's per-item limit and shared
+    by every request of every listener it is given to (`--max-media-fetches` is over all of them)."""
+    fetchers: list[MediaFetcher] = []
 
     def fetcher(engine: Engine) -> MediaFetcher:
         if not fetchers:
@@ -222,6 +230,20 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
                                          allowed_domains=config.allowed_media_domains,
                                          concurrency=config.max_media_fetches))
         return fetchers[0]
+
+    return fetcher
+
+
+def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *, log_health_checks: bool = False,
+               openai: bool = True, sglang: bool = True, own_ports: Callable[[], Iterable[int]] = tuple,
+               fetcher: Callable[[Engine], MediaFetcher] | None = None) -> HttpApp:
+    """The face on one server process's admission (which holds the engine) and metrics: `/health`,
+    and the OpenAI routes, SGLang's, or both (`--epd-port` serves SGLang's on a listener of their
+    own). `own_ports`: the server's listening ports, which no push may go to."""
+    app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
+    face = HttpApp(app, metrics, config, log_health_checks)
+    routes = APIRouter()  # the OpenAI routes, included when served here
+    fetcher = fetcher or one_fetcher(config)
 
     @app.exception_handler(HTTPException)
     async def http_exception(request: Request, exc: HTTPException) -> Response:  # the router's 404 and 405
@@ -245,7 +267,7 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not serving"}, status_code=503)
 
-    @app.get("/v1/models")
+    @routes.get("/v1/models")
     async def models() -> Response:
         engine = admission.engine
         if engine is None:  # not loaded yet, or never (admission says which)
@@ -289,14 +311,14 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
 
         return _Stream(events(), stack)
 
-    @app.post("/v1/chat/completions")
+    @routes.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         stack = contextlib.AsyncExitStack()
         streaming = False
         try:
             ticket = await stack.enter_async_context(admission.enter())
             body = await _read_body(request, ticket, config)
-            response = await _unless_disconnected(request, respond(ticket, body, stack))
+            response = await unless_disconnected(request, respond(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error, in one place
@@ -311,7 +333,11 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *,
         async with admission.enter() as ticket:
             return await _read_body(request, ticket, config)
 
-    face.closing.append(add_sglang_routes(app, admission, read_json, fetcher))
+    if openai:
+        app.include_router(routes)
+    if sglang:
+        face.sinks.append(add_sglang_routes(app, admission, read_json, fetcher,
+                                            Guard(config.epd_destinations, own_ports)))
     return face
 
 
@@ -345,28 +371,6 @@ async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> An
         except ClientDisconnect:
             raise ClientGone("the client closed the connection while sending the body") from None
         return parse_json(raw, "the request body")
-
-
-async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
-    """`answer`'s response, unless the client goes away first: then `answer` is cancelled where it
-    is (waiting for a slot, fetching, encoding, generating: the engine stops at its next token)."""
-    work = asyncio.ensure_future(answer)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    gone = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():  # the client left first (or this request itself is being cancelled)
-            work.cancel()
-        await asyncio.gather(work, gone, return_exceptions=True)
-    if work.cancelled():
-        raise ClientGone("the client closed the connection before the answer")
-    return work.result()
 
 
 async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared, sink: VllmStorageSink | None,

@@ -189,6 +189,11 @@ class HttpServer:
                 self._task.result()  # raises what stopped it
             await asyncio.sleep(0.01)
 
+    @property
+    def busy(self) -> bool:
+        """Whether its routes' deliveries are still under way (SGLang's pushes)."""
+        return self._app.busy
+
     async def stop(self) -> None:
         """Finish the requests in flight (uvicorn's graceful shutdown), then close."""
         if self._task is None:
