@@ -1,6 +1,6 @@
 """The gRPC face: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, with health,
 reflection and the interceptors (`observe.py` first, so refused calls are counted and logged too,
-then the configured ones: the token check, the protobuf guard). The serving process
+then the configured ones (the token check), then the protobuf guard, on every port). The serving process
 (`service.server`) starts it beside the HTTP face and tells it the health state; it reaches the
 engine only through `Admission`.
 
@@ -31,6 +31,7 @@ from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from service.rpc.handlers import VisionService
 from service.rpc.health import NOT_SERVING, SERVING, HealthServicer
 from service.rpc.observe import RpcObserver
+from service.rpc.proto_guard import MalformedRequestInterceptor
 from service.rpc.status import abort
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionService"].full_name
@@ -42,7 +43,7 @@ class GrpcConfig:
     max_receive_bytes: int = 64 << 20  # one request message, all images together
     max_send_bytes: int = 256 << 20  # one response (float32 patches of a huge image are ~160 MB)
     # TLS credentials (None = plaintext) and interceptors that run before every handler (after the
-    # observer), in order.
+    # observer, before the protobuf guard), in order.
     credentials: grpc.ServerCredentials | None = None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
@@ -62,7 +63,8 @@ class GrpcFace:
     async def start(self, host: str, port: int) -> int:
         """Serve the VisionService (health NOT_SERVING until told otherwise). Returns the port."""
         cfg = self.config
-        server = grpc.aio.server(interceptors=(self.observer, *cfg.interceptors), options=[
+        interceptors = (self.observer, *cfg.interceptors, MalformedRequestInterceptor())
+        server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", cfg.max_receive_bytes),
             ("grpc.max_send_message_length", cfg.max_send_bytes),
             ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
@@ -79,7 +81,7 @@ class GrpcFace:
     async def start_health_port(self, host: str, port: int) -> int:
         """The health service alone, plaintext and without the token (what Kubernetes' gRPC probes
         reach when the main port has TLS or a token). Returns the port."""
-        server = grpc.aio.server(interceptors=(self.observer,))
+        server = grpc.aio.server(interceptors=(self.observer, MalformedRequestInterceptor()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return await self._bind(server, host, port, None)
 
