@@ -34,8 +34,29 @@ from service.rpc.observe import RpcObserver
 from service.rpc.proto_guard import MalformedRequestInterceptor
 from service.rpc.status import abort
 
+# What one client's connections may hold, on both ports. A client queues RPCs beyond the streams
+# its connection may have (gRPC's own clients wait; a raw one is refused); Watch streams have their
+# own, lower bounds (`health.MAX_WATCHES_PER_CONNECTION`, `health.MAX_WATCHES`).
+MAX_STREAMS_PER_CONNECTION = 256  # the main port: more than the admission queue and the trunk's batch
+HEALTH_MAX_STREAMS_PER_CONNECTION = 32  # the health port: probes and watchers only
+# A peer that vanished without closing (a host gone, a dropped NAT entry) is found by a ping after
+# KEEPALIVE_S without traffic and dropped KEEPALIVE_TIMEOUT_S later, with every stream it held.
+KEEPALIVE_S = 60
+KEEPALIVE_TIMEOUT_S = 20
+MAX_IDLE_S = 300  # a connection without any RPC for this long is closed (GOAWAY; clients reconnect)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def _connection_options(max_streams: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
+        ("grpc.max_concurrent_streams", max_streams),
+        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+        ("grpc.max_connection_idle_ms", MAX_IDLE_S * 1000),
+    ]
 
 
 @dataclass(frozen=True)
@@ -65,9 +86,9 @@ class GrpcFace:
         cfg = self.config
         interceptors = (self.observer, *cfg.interceptors, MalformedRequestInterceptor())
         server = grpc.aio.server(interceptors=interceptors, options=[
+            *_connection_options(MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_receive_message_length", cfg.max_receive_bytes),
             ("grpc.max_send_message_length", cfg.max_send_bytes),
-            ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
             # A multi-MB image in 4 MiB HTTP/2 frames rather than 16 KiB ones (measured: a 2.5 MB
             # request in about half the time on loopback).
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
@@ -81,7 +102,8 @@ class GrpcFace:
     async def start_health_port(self, host: str, port: int) -> int:
         """The health service alone, plaintext and without the token (what Kubernetes' gRPC probes
         reach when the main port has TLS or a token). Returns the port."""
-        server = grpc.aio.server(interceptors=(self.observer, MalformedRequestInterceptor()))
+        server = grpc.aio.server(interceptors=(self.observer, MalformedRequestInterceptor()),
+                                 options=_connection_options(HEALTH_MAX_STREAMS_PER_CONNECTION))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return await self._bind(server, host, port, None)
 
