@@ -1,11 +1,17 @@
 """The serving process's side doors, through one real `kimi-vision serve` on 127.0.0.1 with the
 health port and `/metrics`: health Watch streams are bounded (per connection and in all) and their
 memory comes back when they end; a request that is not protobuf is INVALID_ARGUMENT on every
-service of every port.
+service of every port; `/metrics` holds no thread per connection, closes idle ones and keeps
+answering through a flood of them; kept-alive requests on the metrics and health ports are as fast
+as fresh ones.
 """
 
 from __future__ import annotations
 
+import http.client
+import os
+import socket
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from serve_process import ServeProcess
 
 from service.errors import KIND_METADATA
+from service.metrics import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.health import MAX_WATCHES, MAX_WATCHES_PER_CONNECTION
 
@@ -144,3 +151,114 @@ def test_bytes_that_are_not_protobuf_are_invalid_argument_on_every_method(server
             assert info.value.details() == (f"the request to {method} is not a valid protobuf message of its type "
                                             f"({len(NOT_PROTOBUF)} bytes)")
             assert (KIND_METADATA, "bad_input") in info.value.trailing_metadata()
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 16) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _scrape(port: int) -> http.client.HTTPResponse:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", "/metrics")
+    return connection.getresponse()
+
+
+def test_idle_metrics_connections_hold_no_threads_are_bounded_and_closed(server) -> None:
+    pid, port = server.proc.pid, server.metrics_port
+    threads = _threads(pid)
+    kept_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    kept_alive.request("GET", "/metrics")
+    assert kept_alive.getresponse().read()  # then idle, kept alive
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(500)]  # send nothing
+    try:
+        response = _scrape(port)
+        assert response.status == 200 and b"grpc_server_started_total" in response.read()
+        assert _threads(pid) <= threads + 2, "a thread per connection"
+        time.sleep(0.5)
+        still_open = [sock for sock in idle if not _closed_by_server(sock)]
+        assert len(still_open) <= MAX_CONNECTIONS
+        time.sleep(IDLE_TIMEOUT_S + 1)
+        assert all(_closed_by_server(sock) for sock in still_open)
+        assert _closed_by_server(kept_alive.sock)
+        assert _scrape(port).status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        kept_alive.close()
+
+
+def test_metrics_port_answers_metrics_only_and_refuses_bad_http(server) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    for method, path, status in (("HEAD", "/metrics", 200), ("GET", "/metrics?name[]=grpc_server_started_total", 200),
+                                 ("GET", "/", 404), ("POST", "/metrics", 405), ("GET", "/metrics", 200)):
+        connection.request(method, path)
+        response = connection.getresponse()
+        body = response.read()
+        assert response.status == status, (method, path)
+        if method == "GET" and status == 200 and "name[]" in path:
+            assert b"grpc_server_started_total" in body and b"process_resident_memory_bytes" not in body
+    connection.close()
+    with socket.create_connection(("127.0.0.1", server.metrics_port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n")
+        answer = sock.recv(1 << 16)
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        assert sock.recv(1 << 16) == b""  # and closed
+
+
+def _median_ms(run, times: int = 20) -> float:
+    samples = []
+    for _ in range(times):
+        start = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples)
+
+
+def test_kept_alive_metrics_scrapes_are_as_fast_as_fresh_ones(server) -> None:
+    port = server.metrics_port
+    kept_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+
+    def again() -> None:
+        kept_alive.request("GET", "/metrics")
+        assert kept_alive.getresponse().read()
+
+    again()
+    reused = _median_ms(again)
+    fresh = _median_ms(lambda: _scrape(port).read())
+    kept_alive.close()
+    print(f"\n/metrics median of 20: kept alive {reused:.2f} ms, fresh connection {fresh:.2f} ms")
+    assert reused <= fresh + 2
+
+
+def test_kept_alive_health_checks_are_as_fast_as_fresh_ones(server) -> None:
+    request = health_pb2.HealthCheckRequest(service="")
+
+    def check(channel: grpc.Channel) -> None:
+        call = channel.unary_unary(CHECK, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        assert call(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+    def fresh_check() -> None:
+        with _connection(server.health_port) as channel:
+            check(channel)
+
+    with _connection(server.health_port) as kept_alive:
+        check(kept_alive)
+        reused = _median_ms(lambda: check(kept_alive))
+    fresh = _median_ms(fresh_check)
+    print(f"\nhealth Check median of 20: kept alive {reused:.2f} ms, fresh connection {fresh:.2f} ms")
+    assert reused <= fresh + 2
