@@ -224,34 +224,36 @@ class _Connection(asyncio.Protocol):
         self._request = None
         target = urlparse(request.target.decode("latin-1"))
         method = request.method.decode("latin-1")
+        headers: list[tuple[str, str]] = []
         if method not in ("GET", "HEAD"):
-            self._answer(405, [("Allow", "GET, HEAD")], f"only GET and HEAD on {METRICS_PATH}\n".encode())
+            status, headers, body = 405, [("Allow", "GET, HEAD")], f"only GET and HEAD on {METRICS_PATH}\n".encode()
         elif target.path != METRICS_PATH:
-            self._answer(404, [], f"only {METRICS_PATH} is served on this port\n".encode())
+            status, body = 404, f"only {METRICS_PATH} is served on this port\n".encode()
         else:
             fields = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers}
-            headers, body = render(self._server.registry, accept=fields.get("accept", ""),
-                                   accept_encoding=fields.get("accept-encoding", ""), query=target.query)
-            self._answer(200, headers, b"" if method == "HEAD" else body, length=len(body))
+            status, (headers, body) = 200, render(self._server.registry, accept=fields.get("accept", ""),
+                                                  accept_encoding=fields.get("accept-encoding", ""),
+                                                  query=target.query)
+        self._answer(status, headers, body, head=method == "HEAD")
         if self._http.our_state is h11.DONE and self._http.their_state is h11.DONE:
             self._http.start_next_cycle()
             self._server.used(self)
             self._arm()
 
-    def _answer(self, status: int, headers: list[tuple[str, str]], body: bytes, *, close: bool = False,
-                length: int | None = None) -> None:
+    def _answer(self, status: int, headers: list[tuple[str, str]], body: bytes, *, head: bool = False,
+                close: bool = False) -> None:
+        """One write (head and body together: the next request need not wait for an ACK); a HEAD
+        answer has the length of the body it leaves out."""
         if self._http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            headers = [*headers, ("Content-Length", str(len(body) if length is None else length))]
+            headers = [*headers, ("Content-Length", str(len(body)))]
             if close:
                 headers.append(("Connection", "close"))
-            self._send(h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage())
+            events: list[h11.Event] = [h11.Response(status_code=status, headers=headers)]
+            if body and not head:
+                events.append(h11.Data(data=body))
+            self.transport.write(b"".join(self._http.send(event) or b"" for event in (*events, h11.EndOfMessage())))
         if close or self._http.our_state is h11.MUST_CLOSE:
             self.close()
-
-    def _send(self, *events: h11.Event) -> None:
-        out = b"".join(self._http.send(event) or b"" for event in events if not (
-            isinstance(event, h11.Data) and not event.data))
-        self.transport.write(out)
 
 
 class MetricsServer:

@@ -204,7 +204,8 @@ def test_idle_metrics_connections_hold_no_threads_are_bounded_and_closed(server)
 def test_metrics_port_answers_metrics_only_and_refuses_bad_http(server) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
     for method, path, status in (("HEAD", "/metrics", 200), ("GET", "/metrics?name[]=grpc_server_started_total", 200),
-                                 ("GET", "/", 404), ("POST", "/metrics", 405), ("GET", "/metrics", 200)):
+                                 ("GET", "/", 404), ("HEAD", "/", 404), ("POST", "/metrics", 405),
+                                 ("GET", "/metrics", 200)):
         connection.request(method, path)
         response = connection.getresponse()
         body = response.read()
