@@ -1,4 +1,5 @@
-"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` only.
+"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` only,
+from the server's event loop (`MetricsServer`; `render` is the scrape itself, for any HTTP server).
 
 A private registry (not the process-global default) lets several servers live in one process
 (tests, the demo) without clashing names; the process and platform collectors are registered in
@@ -17,14 +18,15 @@ Names follow the conventions dashboards already know:
 
 from __future__ import annotations
 
-import http.server
+import asyncio
+import gzip
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import grpc
+import h11
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -35,7 +37,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import MetricsHandler
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 # Seconds; covers header-only CountTokens (sub-ms) up to long Generate streams.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -45,6 +47,13 @@ GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 OTHER_METHOD = "other"
 METRICS_PATH = "/metrics"
+# The metrics port's connections: each request must arrive whole within IDLE_TIMEOUT_S of the
+# connection's start or its last answer (Prometheus scrapes every 15 s or more and reconnects), and
+# at most MAX_CONNECTIONS are open at once (one more closes the one idle longest, so a flood of idle
+# connections cannot keep a scraper out). A request head is at most MAX_HEAD_BYTES.
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 128
+MAX_HEAD_BYTES = 16 << 10
 
 
 def go_code(code: grpc.StatusCode) -> str:
@@ -141,33 +150,157 @@ class Metrics:
         self.http_seconds.labels(method, handler).observe(seconds)
 
 
-class _MetricsOnly(MetricsHandler):
-    """prometheus_client's handler (content negotiation, `name[]` filters, gzip), on `/metrics`
-    alone: any other path is 404, so an HTTP probe pointed at this port cannot pass by mistake."""
+def render(registry: CollectorRegistry, *, accept: str = "", accept_encoding: str = "",
+           query: str = "") -> tuple[list[tuple[str, str]], bytes]:
+    """A scrape of `registry` as Prometheus' own handler answers it (text or OpenMetrics by `accept`,
+    gzip when accepted, `name[]` filters): its headers and body."""
+    names = parse_qs(query).get("name[]")
+    encoder, content_type = choose_encoder(accept)
+    body = encoder(registry.restricted_registry(names) if names else registry)
+    headers = [("Content-Type", content_type)]
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body)
+        headers.append(("Content-Encoding", "gzip"))
+    return headers, body
 
-    def do_GET(self) -> None:
-        if urlparse(self.path).path != METRICS_PATH:
-            self.send_error(404, f"only {METRICS_PATH} is served on this port")
-            return
-        super().do_GET()
+
+class _Connection(asyncio.Protocol):
+    """One client of the metrics port: HTTP/1.1 by h11, answered at once on the event loop. Each
+    request (the first one, and each after an answer) must arrive whole within the idle timeout."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self._server = server
+        self._http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._request: h11.Request | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._server.opened(self)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._server.idle_timeout_s, self.close)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._server.closed(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._http.receive_data(data)
+        self._read()
+
+    def eof_received(self) -> bool:
+        self._http.receive_data(b"")
+        self._read()
+        return False  # and close
+
+    def _read(self) -> None:
+        while self.transport is not None and not self.transport.is_closing():
+            try:
+                event = self._http.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._answer(exc.error_status_hint, [], b"malformed HTTP request\n", close=True)
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if isinstance(event, h11.ConnectionClosed):
+                self.close()
+                return
+            if isinstance(event, h11.Request):
+                self._request = event
+            elif isinstance(event, h11.EndOfMessage) and self._request is not None:
+                self._respond(self._request)  # a body (none is expected) was read and dropped
+
+    def _respond(self, request: h11.Request) -> None:
+        self._request = None
+        target = urlparse(request.target.decode("latin-1"))
+        method = request.method.decode("latin-1")
+        headers: list[tuple[str, str]] = []
+        if method not in ("GET", "HEAD"):
+            status, headers, body = 405, [("Allow", "GET, HEAD")], f"only GET and HEAD on {METRICS_PATH}\n".encode()
+        elif target.path != METRICS_PATH:
+            status, body = 404, f"only {METRICS_PATH} is served on this port\n".encode()
+        else:
+            fields = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers}
+            status, (headers, body) = 200, render(self._server.registry, accept=fields.get("accept", ""),
+                                                  accept_encoding=fields.get("accept-encoding", ""),
+                                                  query=target.query)
+        self._answer(status, headers, body, head=method == "HEAD")
+        if self._http.our_state is h11.DONE and self._http.their_state is h11.DONE:
+            self._http.start_next_cycle()
+            self._server.used(self)
+            self._arm()
+
+    def _answer(self, status: int, headers: list[tuple[str, str]], body: bytes, *, head: bool = False,
+                close: bool = False) -> None:
+        """One write (head and body together: the next request need not wait for an ACK); a HEAD
+        answer has the length of the body it leaves out."""
+        if self._http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            headers = [*headers, ("Content-Length", str(len(body)))]
+            if close:
+                headers.append(("Connection", "close"))
+            events: list[h11.Event] = [h11.Response(status_code=status, headers=headers)]
+            if body and not head:
+                events.append(h11.Data(data=body))
+            self.transport.write(b"".join(self._http.send(event) or b"" for event in (*events, h11.EndOfMessage())))
+        if close or self._http.our_state is h11.MUST_CLOSE:
+            self.close()
 
 
 class MetricsServer:
-    """`/metrics` of one registry on a background HTTP server thread; `close()` stops it."""
+    """`/metrics` of one registry, served from the event loop it is started on: no thread per
+    connection. Every connection must send each request whole within `idle_timeout_s` (an idle
+    kept-alive one is closed then), and at most `max_connections` are open at once: one more
+    closes the one that has waited longest since its last request."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        server_class = type("_Server", (http.server.ThreadingHTTPServer,),
-                            {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
-        handler = type("_Handler", (_MetricsOnly,), {"registry": registry})
+    def __init__(self, registry: CollectorRegistry, *, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.registry = registry
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
+        self._connections: dict[_Connection, None] = {}  # least recently used first
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._server = server_class((host, port), handler)
+            sock = socket.create_server((host, port), family=family)
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port} (metrics): {exc.strerror or exc}") from None
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kimi-vision-metrics", daemon=True)
-        self._thread.start()
+        # Answers are one write each, but a client's next request on the connection must not wait
+        # for its delayed ACK of the last one (accepted sockets inherit the option on Linux).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), sock=sock)
+        return sock.getsockname()[1]
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+    def opened(self, connection: _Connection) -> None:
+        if len(self._connections) >= self.max_connections:
+            oldest = next(iter(self._connections))
+            del self._connections[oldest]  # now: it is only closing, and the next one must not pick it again
+            oldest.close()
+        self._connections[connection] = None
+
+    def used(self, connection: _Connection) -> None:
+        if self._connections.pop(connection, False) is None:  # not if evicted meanwhile
+            self._connections[connection] = None
+
+    def closed(self, connection: _Connection) -> None:
+        self._connections.pop(connection, None)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.close()
+            await self._server.wait_closed()
+            self._server = None

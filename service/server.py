@@ -129,8 +129,8 @@ class VisionServer:
             self.epd_port = self.epd.port
             await self.epd.start()
         if cfg.metrics_port is not None:
-            self._metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
-            self.metrics_port = self._metrics_server.port
+            self._metrics_server = MetricsServer(self.metrics.registry)
+            self.metrics_port = await self._metrics_server.start(cfg.host, cfg.metrics_port)
         self._warm_task = asyncio.create_task(self._warm())
         return self.port
 
@@ -200,7 +200,7 @@ class VisionServer:
                 await server.stop()
         await self.grpc.stop(grace)
         if self._metrics_server is not None:
-            self._metrics_server.close()
+            await self._metrics_server.close()
             self._metrics_server = None
         for task in (self._warm_task, self._watch_task):
             if task is not None and not task.done():

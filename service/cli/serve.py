@@ -188,17 +188,14 @@ def _security(args: argparse.Namespace) -> tuple[tuple, object | None, str | Non
     names a problem."""
     from service.auth import resolve_token
     from service.rpc.auth import BearerTokenInterceptor
-    from service.rpc.proto_guard import MalformedRequestInterceptor
     from service.rpc.tls import server_credentials, tls_paths
 
     token = resolve_token(args.auth_token)
     paths = tls_paths(args.tls_cert, args.tls_key)
     credentials = server_credentials(*paths) if paths else None
-    # In order (after the server's own observer, which logs and counts refused calls too): the
-    # token check (before any request byte is parsed), then the parse itself (corrupt protobuf ->
-    # INVALID_ARGUMENT).
-    auth = (BearerTokenInterceptor(token),) if token else ()
-    interceptors = (*auth, MalformedRequestInterceptor())
+    # After the server's own observer (which logs and counts refused calls too) and before its
+    # protobuf guard: a refused token never has a request byte parsed.
+    interceptors = (BearerTokenInterceptor(token),) if token else ()
     return interceptors, credentials, token
 
 

@@ -1,6 +1,6 @@
 """The gRPC face: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, with health,
 reflection and the interceptors (`observe.py` first, so refused calls are counted and logged too,
-then the configured ones: the token check, the protobuf guard). The serving process
+then the configured ones (the token check), then the protobuf guard, on every port). The serving process
 (`service.server`) starts it beside the HTTP face and tells it the health state; it reaches the
 engine only through `Admission`.
 
@@ -31,10 +31,32 @@ from service.rpc._proto import vision_pb2_grpc as pb_grpc
 from service.rpc.handlers import VisionService
 from service.rpc.health import NOT_SERVING, SERVING, HealthServicer
 from service.rpc.observe import RpcObserver
+from service.rpc.proto_guard import MalformedRequestInterceptor
 from service.rpc.status import abort
+
+# What one client's connections may hold, on both ports. A client queues RPCs beyond the streams
+# its connection may have (gRPC's own clients wait; a raw one is refused); Watch streams have their
+# own, lower bounds (`health.MAX_WATCHES_PER_CONNECTION`, `health.MAX_WATCHES`).
+MAX_STREAMS_PER_CONNECTION = 256  # the main port: more than the admission queue and the trunk's batch
+HEALTH_MAX_STREAMS_PER_CONNECTION = 32  # the health port: probes and watchers only
+# A peer that vanished without closing (a host gone, a dropped NAT entry) is found by a ping after
+# KEEPALIVE_S without traffic and dropped KEEPALIVE_TIMEOUT_S later, with every stream it held.
+KEEPALIVE_S = 60
+KEEPALIVE_TIMEOUT_S = 20
+MAX_IDLE_S = 300  # a connection without any RPC for this long is closed (GOAWAY; clients reconnect)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def _connection_options(max_streams: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
+        ("grpc.max_concurrent_streams", max_streams),
+        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+        ("grpc.max_connection_idle_ms", MAX_IDLE_S * 1000),
+    ]
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,7 @@ class GrpcConfig:
     max_receive_bytes: int = 64 << 20  # one request message, all images together
     max_send_bytes: int = 256 << 20  # one response (float32 patches of a huge image are ~160 MB)
     # TLS credentials (None = plaintext) and interceptors that run before every handler (after the
-    # observer), in order.
+    # observer, before the protobuf guard), in order.
     credentials: grpc.ServerCredentials | None = None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
@@ -62,10 +84,11 @@ class GrpcFace:
     async def start(self, host: str, port: int) -> int:
         """Serve the VisionService (health NOT_SERVING until told otherwise). Returns the port."""
         cfg = self.config
-        server = grpc.aio.server(interceptors=(self.observer, *cfg.interceptors), options=[
+        interceptors = (self.observer, *cfg.interceptors, MalformedRequestInterceptor())
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            *_connection_options(MAX_STREAMS_PER_CONNECTION),
             ("grpc.max_receive_message_length", cfg.max_receive_bytes),
             ("grpc.max_send_message_length", cfg.max_send_bytes),
-            ("grpc.so_reuseport", 0),  # a busy port is an error, not silently shared
             # A multi-MB image in 4 MiB HTTP/2 frames rather than 16 KiB ones (measured: a 2.5 MB
             # request in about half the time on loopback).
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
@@ -79,7 +102,8 @@ class GrpcFace:
     async def start_health_port(self, host: str, port: int) -> int:
         """The health service alone, plaintext and without the token (what Kubernetes' gRPC probes
         reach when the main port has TLS or a token). Returns the port."""
-        server = grpc.aio.server(interceptors=(self.observer,))
+        server = grpc.aio.server(interceptors=(self.observer, MalformedRequestInterceptor()),
+                                 options=_connection_options(HEALTH_MAX_STREAMS_PER_CONNECTION))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return await self._bind(server, host, port, None)
 
