@@ -7,7 +7,9 @@
     out = o_proj(attn * sigmoid(g_proj(x)))
 
 k_rot is one key shared by all heads and is never rotated (mla_use_nope). The cache holds only
-the per-token latent [c | k_rot] (kv_lora_rank + rope dims), one buffer per sequence. A prompt
+the per-token latent [c | k_rot] (kv_lora_rank + rope dims), in the fixed-size blocks of a
+`LatentPool`; each sequence names its blocks in a `BlockTable`, and attention reads a sequence's
+latents by gathering its blocks. A prompt
 (T > 1) is attended in the expanded form through `scaled_dot_product_attention` (flash kernels on
 CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cached prefix one block
 of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
@@ -40,6 +42,9 @@ FP8_SCALE = 1.0  # the checkpoint ships no KV scales (kv_cache_scheme null)
 _warned_fp8 = False
 # Queries of a chunk after a cached prefix attended at once: each block's mask is [QUERY_CHUNK, S]
 QUERY_CHUNK = 256
+# Tokens a block of the latent pool holds (vLLM's default): small enough that a sequence holds at
+# most one partly filled block, large enough that a gather moves whole runs of rows
+BLOCK_SIZE = 16
 # Query-key scores (all heads) a prompt's attention must reach before it may run on more threads than
 # the rest of the trunk (`GatedMLA.attention_threads`): ~1 ms of work on one CPU thread, far more
 # than waking the others costs. The trunk's other ops are too small to gain from them.
@@ -54,68 +59,180 @@ def _warn_fp8_once() -> None:
                     "(kv_cache_scheme null), so values above %g saturate", FP8_SCALE, FP8_MAX)
 
 
-class MLACache:
-    """One sequence's latents in one MLA layer: a `[capacity, kv_lora_rank + rope]` buffer filled up
-    to `length`. The buffer is allocated by the first append, `capacity` rows (a caller that reserved
-    its worst case never reallocates) or what that append needs; more rows double it."""
+class OutOfBlocks(RuntimeError):
+    """A fixed `LatentPool` has fewer free blocks than a sequence asked for."""
 
-    def __init__(self, capacity: int = 0, dtype: torch.dtype | None = None):
-        if dtype not in (None, torch.float8_e4m3fn):
-            raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {dtype}")
-        self.fp8 = dtype == torch.float8_e4m3fn
+
+class LatentPool:
+    """The MLA latents of many sequences in fixed-size blocks: `storage` `[layers, blocks,
+    block_size, dims]`, one block id covering `block_size` tokens of every MLA layer, handed out by
+    `allocate` and returned by `free`. With `num_blocks` the pool is that size for good (the
+    scheduler's budget: `allocate` raises `OutOfBlocks` past it); without, it grows by doubling
+    (a sequence or batch of its own, outside a scheduler)."""
+
+    def __init__(self, layers: int, dims: int, dtype: torch.dtype, *, latent_dtype: torch.dtype | None = None,
+                 num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+                 device: torch.device | str = "cpu") -> None:
+        if latent_dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {latent_dtype}")
+        self.fp8 = latent_dtype == torch.float8_e4m3fn
         if self.fp8:
             _warn_fp8_once()
-        self.capacity = capacity
-        self.buffer: torch.Tensor | None = None
-        self.length = 0
+        self.block_size = block_size
+        self.fixed = num_blocks is not None
+        self.storage = torch.empty(layers, num_blocks or 0, block_size, dims, dtype=latent_dtype or dtype,
+                                   device=device)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # popped from the end: lowest ids first
 
-    def append(self, latent: torch.Tensor) -> None:
-        """Store `latent` `[T, dims]` after the rows already held."""
-        stored = (latent.float() / FP8_SCALE).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) if self.fp8 else latent
-        end = self.length + latent.shape[0]
-        if self.buffer is None or end > self.buffer.shape[0]:
-            rows = max(end, self.capacity, 2 * (0 if self.buffer is None else self.buffer.shape[0]))
-            grown = stored.new_empty(rows, latent.shape[1])
-            if self.buffer is not None:
-                grown[:self.length] = self.buffer[:self.length]
-            self.buffer = grown
-        self.buffer[self.length:end] = stored
-        self.length = end
+    @property
+    def num_blocks(self) -> int:
+        return self.storage.shape[1]
 
-    def latents(self, dtype: torch.dtype) -> torch.Tensor:
-        """The rows held, `[length, dims]`, as read back from the cache, in `dtype`."""
-        held = self.buffer[:self.length]
-        return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
-    def read_into(self, out: torch.Tensor) -> None:
-        """Write the rows held, as read back from the cache, into `out` `[length, dims]` (fp32:
-        exactly `latents`' values, which fp8 and the model's dtype both hold)."""
-        out.copy_(self.buffer[:self.length])
+    @property
+    def block_bytes(self) -> int:
+        """One block: `block_size` tokens' latents in every MLA layer."""
+        layers, _, size, dims = self.storage.shape
+        return layers * size * dims * self.storage.element_size()
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            if self.fixed:
+                raise OutOfBlocks(f"{count} blocks asked of a pool with {len(self._free)} free")
+            self._grow(max(2 * self.num_blocks, self.num_blocks + count - len(self._free)))
+        taken = self._free[len(self._free) - count:][::-1]
+        del self._free[len(self._free) - count:]
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def _grow(self, blocks: int) -> None:
+        grown = self.storage.new_empty(self.storage.shape[0], blocks, *self.storage.shape[2:])
+        grown[:, :self.num_blocks] = self.storage
+        self._free = list(range(blocks - 1, self.num_blocks - 1, -1)) + self._free
+        self.storage = grown
+
+    def store(self, latent: torch.Tensor) -> torch.Tensor:
+        """`latent` as the storage holds it (fp8: scaled and saturated)."""
         if self.fp8:
-            out.mul_(FP8_SCALE)
+            return (latent.float() / FP8_SCALE).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return latent.to(self.storage.dtype)
 
-    def clone(self) -> MLACache:
-        copy = MLACache.__new__(MLACache)
-        copy.fp8, copy.capacity, copy.length = self.fp8, self.capacity, self.length
-        copy.buffer = None if self.buffer is None else self.buffer.clone()
-        return copy
+    def load(self, held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows back in `dtype`."""
+        return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
 
     @staticmethod
     def bytes_per_token(cfg, dtype: torch.dtype, latent_dtype: torch.dtype | None = None) -> int:
-        element = (latent_dtype or dtype).itemsize
-        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+        """One token's latents in one MLA layer."""
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (latent_dtype or dtype).itemsize
+
+
+class BlockTable:
+    """One sequence's blocks of a `LatentPool`, in order: token t lies in block `blocks[t // block_size]`
+    at row `t % block_size`, in every MLA layer."""
+
+    def __init__(self, pool: LatentPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        self._tensor: torch.Tensor | None = None
+
+    def reserve(self, tokens: int) -> None:
+        """Blocks for `tokens` tokens in all (`OutOfBlocks` from a fixed pool without them)."""
+        short = self.pool.blocks_for(tokens) - len(self.blocks)
+        if short > 0:
+            self.blocks += self.pool.allocate(short)
+
+    def release(self) -> None:
+        self.pool.free(self.blocks)
+        self.blocks = []
+
+    def tensor(self) -> torch.Tensor:
+        """The block ids on the pool's device (made again only when blocks were added)."""
+        if self._tensor is None or len(self._tensor) != len(self.blocks):
+            self._tensor = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.storage.device)
+        return self._tensor
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Where tokens `start .. end` lie in a layer's storage viewed as `[blocks * block_size, dims]`."""
+        size = self.pool.block_size
+        positions = torch.arange(start, end, device=self.pool.storage.device)
+        return self.tensor()[positions // size] * size + positions % size
+
+
+class MLACache:
+    """One sequence's latents in one MLA layer (`slot` of the pool's layers): the first `length`
+    tokens of its `BlockTable`. Appending takes the blocks the new rows need (a scheduler reserved
+    them before the step; a growable pool hands them out here)."""
+
+    def __init__(self, table: BlockTable, slot: int) -> None:
+        self.table = table
+        self.slot = slot
+        self.length = 0
+
+    def _flat(self) -> torch.Tensor:
+        storage = self.table.pool.storage
+        return storage[self.slot].view(-1, storage.shape[-1])
+
+    def append(self, latent: torch.Tensor) -> None:
+        """Store `latent` `[T, dims]` after the rows already held."""
+        end = self.length + latent.shape[0]
+        self.table.reserve(end)
+        self._flat()[self.table.rows(self.length, end)] = self.table.pool.store(latent)
+        self.length = end
+
+    def latents(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows held, `[length, dims]`, as read back from the cache, in `dtype` (a gather of the
+        sequence's blocks)."""
+        pool = self.table.pool
+        held = pool.storage[self.slot][self.table.tensor()[:pool.blocks_for(self.length)]]
+        return pool.load(held.reshape(-1, held.shape[-1])[:self.length], dtype)
+
+
+def _append_rows(caches: list[MLACache], rows: torch.Tensor) -> None:
+    """One new row per cache (a decode step): one write for the caches of one pool."""
+    first = caches[0]
+    pool = first.table.pool
+    if any(c.table.pool is not pool or c.slot != first.slot for c in caches):
+        for cache, row in zip(caches, rows, strict=True):
+            cache.append(row[None])
+        return
+    for cache in caches:
+        cache.table.reserve(cache.length + 1)
+    size = pool.block_size
+    at = [c.table.blocks[c.length // size] * size + c.length % size for c in caches]
+    first._flat()[torch.tensor(at, device=rows.device)] = pool.store(rows)
+    for cache in caches:
+        cache.length += 1
 
 
 def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
-    """`[B, longest, dims]` fp32: each cache's latents, zeros after each (one copy from the caches;
-    none for one cache that holds fp32)."""
+    """`[B, longest, dims]` fp32: each cache's latents, zeros after each (for caches of one pool,
+    one gather of their blocks)."""
     if len(caches) == 1:
         return caches[0].latents(torch.float32)[None]
-    first = caches[0].buffer
-    out = first.new_zeros(len(caches), max(c.length for c in caches), first.shape[1], dtype=torch.float32)
-    for b, cache in enumerate(caches):
-        cache.read_into(out[b, :cache.length])
-    return out
+    first = caches[0]
+    pool = first.table.pool
+    longest = max(c.length for c in caches)
+    if any(c.table.pool is not pool or c.slot != first.slot for c in caches):
+        out = torch.zeros(len(caches), longest, pool.storage.shape[-1], device=pool.storage.device)
+        for b, cache in enumerate(caches):
+            out[b, :cache.length] = cache.latents(torch.float32)
+        return out
+    wide = pool.blocks_for(longest)
+    tables = torch.stack([F.pad(t, (0, wide - len(t))) for t in (c.table.tensor()[:wide] for c in caches)])
+    held = pool.storage[first.slot][tables]  # [B, wide, block_size, dims]; rows past a length unwritten
+    keys = pool.load(held.reshape(len(caches), -1, held.shape[-1])[:, :longest], torch.float32)
+    lengths = torch.tensor([c.length for c in caches], device=keys.device)
+    mine = torch.arange(longest, device=keys.device)[None] < lengths[:, None]
+    return torch.where(mine[..., None], keys, 0.0)
 
 
 class GatedMLA(nn.Module):
@@ -157,8 +274,7 @@ class GatedMLA(nn.Module):
         if segments.singles:
             at = segments.single_positions
             mine = [caches[b] for b in segments.singles]
-            for cache, row in zip(mine, latent[at], strict=True):
-                cache.append(row[None])
+            _append_rows(mine, latent[at])
             keys = _stack_right_padded(mine)
             attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, segments.single_starts,
                                          w_kv)[:, 0]
