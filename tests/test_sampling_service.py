@@ -27,6 +27,7 @@ from service.engine import Engine, EngineConfig
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, user
 from service.server import ServerConfig, ServerThread
+from textcore.model import SequenceCache
 from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -222,8 +223,9 @@ def test_a_request_over_the_kv_pool_is_too_large_and_two_that_fill_it_run_in_tur
     probe = base.engine.scheduler.kv
     prompt_tokens = _complete_tokens(base)
     blocks = probe.blocks_for(prompt_tokens + 64)
+    states = base.engine.scheduler.max_num_seqs * SequenceCache.state_bytes(base.engine.model.cfg)
     handle, engine = _writer(base, tiny_checkpoint, ServerConfig(port=0, http_port=0),
-                             kv_cache_bytes=blocks * probe.block_bytes, max_model_len=prompt_tokens + 64)
+                             kv_cache_bytes=blocks * probe.block_bytes + states, max_model_len=prompt_tokens + 64)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{handle.server.http_port}", timeout=120) as client:
             over = client.post("/v1/chat/completions", json=_body(max_tokens=1, n=blocks + 1))

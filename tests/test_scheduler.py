@@ -23,7 +23,7 @@ from service.engine.scheduler import Generation, GenerationResult, Logprobs, Sch
 from service.errors import BadRequest, TooLarge, Unavailable
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
-from textcore.model import KimiLinearForCausalLM
+from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.stops import TEXT_EVENTS
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"), pytest.mark.timeout(300)]
@@ -210,9 +210,9 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(scheduler_of, ti
     assert len(a.tokens()) == stopped_at and not a.ended.is_set()  # a cancelled job hears nothing more
 
 
-def _blocks_budget(scheduler_of, blocks: int) -> int:
-    """The KV budget of a pool of `blocks` blocks."""
-    return blocks * scheduler_of().kv.block_bytes
+def _blocks_budget(scheduler_of, blocks: int, max_num_seqs: int = 8) -> int:
+    """The KV budget of a pool of `blocks` blocks beside `max_num_seqs` KDA states."""
+    return blocks * scheduler_of().kv.block_bytes + max_num_seqs * SequenceCache.state_bytes(tiny())
 
 
 def _run_all(scheduler, prompts, params) -> list[Collector]:
@@ -316,7 +316,7 @@ def test_a_job_that_could_never_run_is_refused_by_the_checks(scheduler_of, tiny_
     error, never queued (it would wait forever, or fail the step of every job); the scheduler goes
     on serving."""
     prompt = _prompt(tiny_tokenizer, TEXTS[0])
-    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=_blocks_budget(scheduler_of, 1))
+    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=_blocks_budget(scheduler_of, 1, max_num_seqs=2))
     fits = 16 - len(prompt.ids)  # one 16-token block: the prompt and this many tokens
     for params, error, words in (({"n": 3}, BadRequest, "n 3 is above this server's --max-num-seqs 2"),
                                  ({"max_new_tokens": fits + 1}, TooLarge, "needs 2 KV cache blocks of 16 tokens"),

@@ -98,6 +98,11 @@ class SequenceCache:
                 self.layers[i].length = layer.length
         self.length = source.length
 
+    @staticmethod
+    def state_bytes(cfg: TextConfig) -> int:
+        """What a sequence holds outside the pool, whatever its length: its KDA states (fp32)."""
+        return len(cfg.kda_layers) * KDACache.nbytes(cfg)
+
     def fork(self) -> SequenceCache:
         """An independent copy (a second sequence continuing the same prompt), in blocks of its own."""
         copy = SequenceCache.__new__(SequenceCache)

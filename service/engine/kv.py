@@ -1,12 +1,14 @@
 """The trunk's KV cache as blocks: what the scheduler admits, grows and preempts by.
 
-One fixed `textcore.mla.LatentPool` holds the MLA latents of every sequence, `--kv-cache-memory-gb`
-of 16-token blocks (one block: 16 tokens of every MLA layer); each sequence's `SequenceCache` names
-its blocks in a block table. The scheduler asks before each step (vLLM's v1 KVCacheManager, in
-small): `admits` (the blocks a prompt needs now, plus a watermark kept free while others run, so
-that admitting does not at once force a preemption), `grow` (the block a sequence's next token
+One fixed `textcore.mla.LatentPool` holds the MLA latents of every sequence in 16-token blocks
+(one block: 16 tokens of every MLA layer); each sequence's `SequenceCache` names its blocks in a
+block table. KDA's recurrent state is fixed-size and stays each sequence's own, outside the pool;
+the budget (`--kv-cache-memory-gb`) holds `max_num_seqs` of those states, and the pool is the rest.
+
+The scheduler asks before each step (vLLM's v1 KVCacheManager, in small): `admits` (the blocks a
+prompt needs now, plus a watermark kept free while others run, so that admitting does not at once
+force a preemption), `grow` (the block a sequence's next token
 needs; False: the pool is dry, preempt someone), `free` (a sequence leaves, is preempted or fails).
-KDA's recurrent state is fixed-size and stays each sequence's own, outside the pool.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ WATERMARK = 0.01  # of the pool, kept free when admitting beside running sequenc
 
 
 class KVCacheManager:
-    def __init__(self, model: KimiLinearForCausalLM, kv_cache_bytes: int, latent_dtype: torch.dtype | None = None):
+    def __init__(self, model: KimiLinearForCausalLM, kv_cache_bytes: int, max_num_seqs: int,
+                 latent_dtype: torch.dtype | None = None) -> None:
         self.model = model
         block_bytes = model.new_pool(0, latent_dtype).block_bytes
-        self.pool = model.new_pool(kv_cache_bytes // block_bytes, latent_dtype)
+        states = max_num_seqs * SequenceCache.state_bytes(model.cfg)
+        self.pool = model.new_pool(max(0, kv_cache_bytes - states) // block_bytes, latent_dtype)
         if self.pool.num_blocks < 1:
             raise ValueError(f"a KV cache budget of {kv_cache_bytes:,} bytes holds no block of {block_bytes:,} bytes "
-                             f"({self.pool.block_size} tokens)")
+                             f"({self.pool.block_size} tokens) beside the KDA states of {max_num_seqs} sequences "
+                             f"({states:,} bytes): raise --kv-cache-memory-gb or lower --max-num-seqs")
         self.watermark = max(1, math.ceil(WATERMARK * self.pool.num_blocks))
 
     @property

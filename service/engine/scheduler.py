@@ -195,7 +195,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.keys_per_token = model.keys_per_token()  # a chunk token's attention, weighed while others decode
-        self.kv = KVCacheManager(model, kv_cache_bytes, latent_dtype)
+        self.kv = KVCacheManager(model, kv_cache_bytes, max_num_seqs, latent_dtype)
         self.metrics = metrics
         self._space = TokenSpace(model.cfg.vocab_size, allowed_ids, model.device)  # what may be sampled
         self._output = OutputProcessor(threaded=output_thread)
