@@ -139,12 +139,14 @@ class OutputProcessor:
         if self._thread is not None:
             self._thread.start()
 
-    def token(self, reply: Reply, sample: Sample, reason: str | None) -> None:
-        self._put((reply, sample, reason))
+    def tokens(self, taken: list[tuple[Reply, Sample, str | None]]) -> None:
+        """One step's sampled tokens, each with its reply and the trunk's finish reason (one hand-over a step)."""
+        if taken:
+            self._put(("tokens", taken))
 
     def end(self, job: Generation, exc: BaseException) -> None:
         """End `job` with `exc` after the items put before."""
-        self._put((job, exc))
+        self._put(("end", (job, exc)))
 
     def close(self) -> None:
         """Run what was put, then stop."""
@@ -164,17 +166,18 @@ class OutputProcessor:
 
     @staticmethod
     def _run(work: tuple) -> None:
-        if len(work) == 2:
-            job, exc = work
+        kind, what = work
+        if kind == "end":
+            job, exc = what
             job.end(exc)
             return
-        reply, sample, reason = work
-        job = reply.job
-        if reply.done or job.ended or job.cancelled.is_set():
-            return
-        try:
-            reply.feed(sample, reason)
-        except Exception as exc:  # noqa: BLE001 - this job's caller (its emit) failed; the others go on
-            log.exception("output processing failed")
-            job.dropped = True  # the trunk drops its sequences at its next step
-            job.end(exc)
+        for reply, sample, reason in what:
+            job = reply.job
+            if reply.done or job.ended or job.cancelled.is_set():
+                continue
+            try:
+                reply.feed(sample, reason)
+            except Exception as exc:  # noqa: BLE001 - this job's caller (its emit) failed; the others go on
+                log.exception("output processing failed")
+                job.dropped = True  # the trunk drops its sequences at its next step
+                job.end(exc)

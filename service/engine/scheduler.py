@@ -349,8 +349,7 @@ class Scheduler:
                 self._fail(prefill.job, exc)
             self._running = [s for s in self._running if s.cache is not None]
             return
-        for sequence, sample in zip(batch, samples, strict=True):
-            self._take(sequence, sample)
+        self._output.tokens([self._take(sequence, sample) for sequence, sample in zip(batch, samples, strict=True)])
         self._running = [s for s in batch if s.cache is not None]
         for (prefill, take), row in zip(chunks, logits[len(batch):], strict=True):
             prefill.done += take
@@ -363,15 +362,15 @@ class Scheduler:
                 else:
                     self._start(prefill, row[None])
 
-    def _take(self, sequence: _Sequence, sample: Sample) -> None:
-        """A sequence's sampled token: recorded by its sampler, handed to the output processor; the
-        sequence leaves at a stop token or its length."""
+    def _take(self, sequence: _Sequence, sample: Sample) -> tuple[Reply, Sample, str | None]:
+        """A sequence's sampled token, recorded by its sampler: what the output processor gets of it;
+        the sequence leaves at a stop token or its length (before its caller can hear the end)."""
         reason = sequence.sampler.take(sample.token_id)
         if reason != "stop":
             sequence.last = sample.token_id
         if reason is not None:
-            self._finish(sequence)  # before its caller can hear the end
-        self._output.token(sequence.reply, sample, reason)
+            self._finish(sequence)
+        return sequence.reply, sample, reason
 
     def _drop_gone(self) -> None:
         for sequence in self._running:
@@ -459,8 +458,8 @@ class Scheduler:
         job.open = params.n  # before any of its replies' tokens reaches the output processor
         first_tokens = sample_batch(logits.expand(params.n, -1), samplers)
         self._running += sequences
-        for sequence, sample in zip(sequences, first_tokens, strict=True):
-            self._take(sequence, sample)
+        self._output.tokens([self._take(sequence, sample) for sequence, sample in zip(sequences, first_tokens,
+                                                                                       strict=True)])
         self._running = [s for s in self._running if s.cache is not None]
 
     def _finish(self, sequence: _Sequence) -> None:
