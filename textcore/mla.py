@@ -83,6 +83,7 @@ class LatentPool:
         self.storage = torch.empty(layers, num_blocks or 0, block_size, dims, dtype=latent_dtype or dtype,
                                    device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # popped from the end: lowest ids first
+        self._tables: tuple[tuple, torch.Tensor] | None = None  # `_stack_right_padded`'s, for every layer of a step
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +109,8 @@ class LatentPool:
             self._grow(max(2 * self.num_blocks, self.num_blocks + count - len(self._free)))
         taken = self._free[len(self._free) - count:][::-1]
         del self._free[len(self._free) - count:]
+        if taken:  # rows a sequence has not written yet hold zeros, never the garbage of torch.empty
+            self.storage[:, torch.tensor(taken, device=self.storage.device)] = 0
         return taken
 
     def free(self, blocks: list[int]) -> None:
@@ -214,8 +217,9 @@ def _append_rows(caches: list[MLACache], rows: torch.Tensor) -> None:
 
 
 def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
-    """`[B, longest, dims]` fp32: each cache's latents, zeros after each (for caches of one pool,
-    one gather of their blocks)."""
+    """`[B, longest, dims]` fp32: each cache's latents; past each one's length, finite values the
+    caller masks (zeros, or rows of its own blocks: a block is zeroed when it is taken). For caches
+    of one pool, one gather of their blocks, by a table made once for every layer of the step."""
     if len(caches) == 1:
         return caches[0].latents(torch.float32)[None]
     first = caches[0]
@@ -227,12 +231,12 @@ def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
             out[b, :cache.length] = cache.latents(torch.float32)
         return out
     wide = pool.blocks_for(longest)
-    tables = torch.stack([F.pad(t, (0, wide - len(t))) for t in (c.table.tensor()[:wide] for c in caches)])
-    held = pool.storage[first.slot][tables]  # [B, wide, block_size, dims]; rows past a length unwritten
-    keys = pool.load(held.reshape(len(caches), -1, held.shape[-1])[:, :longest], torch.float32)
-    lengths = torch.tensor([c.length for c in caches], device=keys.device)
-    mine = torch.arange(longest, device=keys.device)[None] < lengths[:, None]
-    return torch.where(mine[..., None], keys, 0.0)
+    key = (wide, *((id(c.table), len(c.table.blocks)) for c in caches))
+    if pool._tables is None or pool._tables[0] != key:
+        rows = [c.table.blocks[:wide] + [c.table.blocks[0]] * (wide - len(c.table.blocks)) for c in caches]
+        pool._tables = key, torch.tensor(rows, dtype=torch.long, device=pool.storage.device)
+    held = pool.storage[first.slot][pool._tables[1]]  # [B, wide, block_size, dims]
+    return pool.load(held.reshape(len(caches), -1, held.shape[-1])[:, :longest], torch.float32)
 
 
 class GatedMLA(nn.Module):
