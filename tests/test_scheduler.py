@@ -21,6 +21,7 @@ from service.engine.inputs import Prompt
 from service.engine.loading import decodable_ids
 from service.engine.scheduler import Generation, GenerationResult, Logprobs, Scheduler, chunk_cost, prefill_chunk
 from service.errors import BadRequest, TooLarge, Unavailable
+from service.metrics import Metrics
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
 from textcore.model import KimiLinearForCausalLM, SequenceCache
@@ -232,13 +233,22 @@ def test_preempted_sequences_get_the_tokens_of_an_unconstrained_run(scheduler_of
     params = [{"max_new_tokens": 40, **sampling, **({"seed": sampling["seed"] + i} if "seed" in sampling else {})}
               for i in range(len(prompts))]
     roomy = _run_all(scheduler_of(), prompts, params)
-    tight = scheduler_of(kv_cache_bytes=_blocks_budget(scheduler_of, 9))
+    metrics = Metrics()
+    tight = scheduler_of(kv_cache_bytes=_blocks_budget(scheduler_of, 9), metrics=metrics)
     cramped = _run_all(tight, prompts, params)
     assert tight.preemptions >= 2, tight.preemptions
     for free, squeezed in zip(roomy, cramped, strict=True):
         assert squeezed.tokens() == free.tokens() and len(free.tokens()) > 0
         assert [r.completion_tokens for r in squeezed.results()] == [r.completion_tokens for r in free.results()]
     _wait_for(lambda: tight.idle and tight.kv.used == 0, "every block back")
+
+    def metric(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    assert metric("kimi_vision_kv_cache_preemptions_total") == tight.preemptions
+    assert metric("kimi_vision_kv_cache_blocks_total") == 9
+    _wait_for(lambda: metric("kimi_vision_kv_cache_blocks_used") == 0, "the gauge at the step's end")
+    assert metric("kimi_vision_trunk_step_seconds_count") > 40  # a step per token at least
 
 
 def test_no_deadlock_when_every_running_sequence_wants_a_block(scheduler_of, tiny_tokenizer):
