@@ -150,6 +150,26 @@ def test_block_table_attention_equals_the_contiguous_cache(model):
             torch.testing.assert_close(cache.latents(torch.float32), refs[b].latents(), atol=0, rtol=0)
 
 
+def test_a_table_that_changes_is_gathered_anew():
+    """The gather's tables are made once a step and kept while the tables are unchanged: a table
+    released and refilled with as many blocks (others now) is read from its new blocks."""
+    pool = mla.LatentPool(1, 3, torch.float32, block_size=2)
+    tables = [mla.BlockTable(pool) for _ in range(3)]
+    a, b = (mla.MLACache(t, 0) for t in tables[:2])
+    a.append(torch.ones(3, 3))
+    b.append(torch.full((2, 3), 2.0))
+    assert torch.equal(mla._stack_right_padded([a, b])[0, :3], torch.ones(3, 3))
+    blocker = mla.MLACache(tables[2], 0)
+    blocker.append(torch.zeros(2, 3))
+    old = list(a.table.blocks)
+    a.table.release()
+    pool.free([blocker.table.blocks.pop()])  # freed after a's: a takes it first this time
+    a.length = 0
+    a.append(torch.full((3, 3), 5.0))
+    assert a.table.blocks != old and len(a.table.blocks) == len(old)
+    assert torch.equal(mla._stack_right_padded([a, b])[0, :3], torch.full((3, 3), 5.0))
+
+
 def test_one_step_runs_decode_tokens_and_prompt_chunks_of_several_sequences(model, ids, full_logits):
     """`step`: a decode token of one sequence, a prompt chunk of another and the first chunk of a
     third (ids and embeddings mixed) in one forward; each gets the logits of its sequence alone."""

@@ -25,6 +25,7 @@ length.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -45,6 +46,7 @@ QUERY_CHUNK = 256
 # Tokens a block of the latent pool holds (vLLM's default): small enough that a sequence holds at
 # most one partly filled block, large enough that a gather moves whole runs of rows
 BLOCK_SIZE = 16
+_tables = itertools.count()  # BlockTable serials
 # Query-key scores (all heads) a prompt's attention must reach before it may run on more threads than
 # the rest of the trunk (`GatedMLA.attention_threads`): ~1 ms of work on one CPU thread, far more
 # than waking the others costs. The trunk's other ops are too small to gain from them.
@@ -145,23 +147,28 @@ class BlockTable:
     def __init__(self, pool: LatentPool) -> None:
         self.pool = pool
         self.blocks: list[int] = []
-        self._tensor: torch.Tensor | None = None
+        # which table, in which state: (a serial never reused, a count of its changes), what the
+        # tensors made from its blocks are keyed by
+        self.key = (next(_tables), 0)
+        self._tensor: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def reserve(self, tokens: int) -> None:
         """Blocks for `tokens` tokens in all (`OutOfBlocks` from a fixed pool without them)."""
         short = self.pool.blocks_for(tokens) - len(self.blocks)
         if short > 0:
             self.blocks += self.pool.allocate(short)
+            self.key = (self.key[0], self.key[1] + 1)
 
     def release(self) -> None:
         self.pool.free(self.blocks)
         self.blocks = []
+        self.key = (self.key[0], self.key[1] + 1)
 
     def tensor(self) -> torch.Tensor:
-        """The block ids on the pool's device (made again only when blocks were added)."""
-        if self._tensor is None or len(self._tensor) != len(self.blocks):
-            self._tensor = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.storage.device)
-        return self._tensor
+        """The block ids on the pool's device (made again only when the blocks changed)."""
+        if self._tensor is None or self._tensor[0] != self.key:
+            self._tensor = self.key, torch.tensor(self.blocks, dtype=torch.long, device=self.pool.storage.device)
+        return self._tensor[1]
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Where tokens `start .. end` lie in a layer's storage viewed as `[blocks * block_size, dims]`."""
@@ -231,7 +238,7 @@ def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
             out[b, :cache.length] = cache.latents(torch.float32)
         return out
     wide = pool.blocks_for(longest)
-    key = (wide, *((id(c.table), len(c.table.blocks)) for c in caches))
+    key = (wide, *(c.table.key for c in caches))
     if pool._tables is None or pool._tables[0] != key:
         rows = [c.table.blocks[:wide] + [c.table.blocks[0]] * (wide - len(c.table.blocks)) for c in caches]
         pool._tables = key, torch.tensor(rows, dtype=torch.long, device=pool.storage.device)

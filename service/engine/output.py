@@ -15,6 +15,7 @@ its generation's end keep their order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -169,7 +170,10 @@ class OutputProcessor:
         kind, what = work
         if kind == "end":
             job, exc = what
-            job.end(exc)
+            try:
+                job.end(exc)
+            except Exception:  # noqa: BLE001 - a caller that cannot hear its end: the others still hear theirs
+                log.exception("ending a generation failed")
             return
         for reply, sample, reason in what:
             job = reply.job
@@ -180,4 +184,5 @@ class OutputProcessor:
             except Exception as exc:  # noqa: BLE001 - this job's caller (its emit) failed; the others go on
                 log.exception("output processing failed")
                 job.dropped = True  # the trunk drops its sequences at its next step
-                job.end(exc)
+                with contextlib.suppress(Exception):  # its emit may fail at the end too
+                    job.end(exc)
