@@ -224,11 +224,13 @@ def _run_all(scheduler, prompts, params) -> list[Collector]:
 @pytest.mark.parametrize("sampling", [
     {"ignore_eos": True},
     {"temperature": 1.0, "top_k": 20, "presence_penalty": 0.5, "min_tokens": 30, "seed": 7},
-], ids=["greedy", "seeded"])
+    {"temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True},
+], ids=["greedy", "seeded", "seeded-n2"])
 def test_preempted_sequences_get_the_tokens_of_an_unconstrained_run(scheduler_of, tiny_tokenizer, sampling):
-    """Four 40-token replies under a pool of 9 blocks (each sequence ends at 4 or 5): sequences are
-    preempted and prefilled again, and every reply (the seeded ones through their generators, the
-    penalties and min_tokens, kept across) equals the one it gets with room for all."""
+    """Four 40-token replies (or four pairs, n = 2) under a pool of 9 blocks (each sequence ends at 4
+    or 5): sequences are preempted and prefilled again, and every reply (the seeded ones through
+    their generators, the penalties and min_tokens, kept across) equals the one it gets with room
+    for all."""
     prompts = [_prompt(tiny_tokenizer, text) for text in TEXTS]
     params = [{"max_new_tokens": 40, **sampling, **({"seed": sampling["seed"] + i} if "seed" in sampling else {})}
               for i in range(len(prompts))]
@@ -238,7 +240,8 @@ def test_preempted_sequences_get_the_tokens_of_an_unconstrained_run(scheduler_of
     cramped = _run_all(tight, prompts, params)
     assert tight.preemptions >= 2, tight.preemptions
     for free, squeezed in zip(roomy, cramped, strict=True):
-        assert squeezed.tokens() == free.tokens() and len(free.tokens()) > 0
+        for index in range(sampling.get("n", 1)):
+            assert squeezed.tokens(index) == free.tokens(index) and len(free.tokens(index)) > 0
         assert [r.completion_tokens for r in squeezed.results()] == [r.completion_tokens for r in free.results()]
     _wait_for(lambda: tight.idle and tight.kv.used == 0, "every block back")
 

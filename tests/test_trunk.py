@@ -80,7 +80,8 @@ def test_sequences_of_different_lengths_decode_together(model, ids, full_logits)
     step = model(torch.stack([ids[0, 8:9], ids[1, 5:6]]), cache=batch, last_only=True)
     torch.testing.assert_close(step[1], full_logits[1, 5], atol=1e-4, rtol=0)
     assert (first.length, second.length) == (9, 6)
-    fork = second.fork()  # a copy continues like the original
+    fork = model.new_sequence(pool)
+    fork.copy_from(second)  # a copy, in blocks of its own, continues like the original
     a, b = (model(ids[1:, 6:7], cache=TrunkCache([c]), last_only=True) for c in (second, fork))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(a[0], full_logits[1, 6], atol=1e-4, rtol=0)

@@ -103,16 +103,6 @@ class SequenceCache:
         """What a sequence holds outside the pool, whatever its length: its KDA states (fp32)."""
         return len(cfg.kda_layers) * KDACache.nbytes(cfg)
 
-    def fork(self) -> SequenceCache:
-        """An independent copy (a second sequence continuing the same prompt), in blocks of its own."""
-        copy = SequenceCache.__new__(SequenceCache)
-        copy.table = BlockTable(self.table.pool)
-        copy.layers = [KDACache() if isinstance(layer, KDACache) else MLACache(copy.table, layer.slot)
-                       for layer in self.layers]
-        copy.length = 0
-        copy.copy_from(self)
-        return copy
-
 
 class TrunkCache:
     """The decode state of a batch: one `SequenceCache` per row, which that row's tokens continue.
