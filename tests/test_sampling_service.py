@@ -10,6 +10,7 @@ A real server on 127.0.0.1 (HTTP and gRPC) whose trunk writes a fixed chain of t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -252,6 +253,23 @@ def test_a_request_over_the_kv_pool_is_too_large_and_two_that_fill_it_run_in_tur
         handle.stop()
         engine.cpu_executor.shutdown()
         engine.scheduler.close()
+
+
+def test_an_engine_whose_pool_cannot_hold_one_model_length_sequence_does_not_start(base, tiny_checkpoint):
+    """As vLLM refuses to start: the pool (the budget less the KDA states) must hold one sequence
+    of --max-model-len; one block short, the engine names both flags."""
+    main = base.engine
+    kv = main.scheduler.kv
+    states = main.scheduler.max_num_seqs * SequenceCache.state_bytes(main.model.cfg)
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), max_model_len=64 * kv.pool.block_size,
+                          kv_cache_bytes=63 * kv.block_bytes + states)
+    with pytest.raises(ValueError, match=r"one sequence of the model length \(1,024 tokens\) needs 245,760 bytes"):
+        Engine(config, main.tokenizer, main.pool, main.model)
+    made = Engine(dataclasses.replace(config, kv_cache_bytes=64 * kv.block_bytes + states), main.tokenizer, main.pool,
+                  main.model)
+    assert made.scheduler.kv.max_tokens == 1024
+    made.cpu_executor.shutdown()
+    made.scheduler.close()
 
 
 def _complete_tokens(base) -> int:
