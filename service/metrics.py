@@ -113,8 +113,8 @@ class Metrics:
         self.running_sequences = Gauge("kimi_vision_running_sequences", "Sequences decoding in the trunk's batch.",
                                        registry=r)
         self.waiting_generations = Gauge("kimi_vision_waiting_generations",
-                                         "Generations waiting for the trunk or having their prompt prefilled.",
-                                         registry=r)
+                                         "Generations (and preempted sequences) waiting for the trunk or being "
+                                         "prefilled.", registry=r)
         self.kv_cache_blocks_total = Gauge("kimi_vision_kv_cache_blocks_total",
                                            "Blocks of the trunk's KV cache pool (16 tokens of every MLA layer each).",
                                            registry=r)
