@@ -44,7 +44,8 @@ decoding) and stops them; the machine is shared, so compare the figures of one r
 - step: in this process (no server), `--sequences` greedy sequences of a tiny random trunk (the
   project's tiny tokenizer) on one torch
   thread decode together (logprobs and a stop string that never matches: every token parsed,
-  detokenized and searched), output processing on its own thread and then on the trunk's
+  detokenized and searched; each item handed to an event loop on another thread, as the engine's
+  emit does), output processing on its own thread and then on the trunk's
   (`Scheduler(output_thread=False)`: the behaviour before), alternated for `--rounds`. Reported:
   the mean trunk step (`kimi_vision_trunk_step_seconds`) over steps of all `--sequences`, and the
   tokens a second.
@@ -470,15 +471,20 @@ def _step_run(model, tokenizer, allowed, sequences: int, output_thread: bool, to
     counts = [0] * sequences
     ended = threading.Event()
     finished = [0]
+    loop = asyncio.new_event_loop()  # the callers' loop, on a thread of its own, as in the server
+    threading.Thread(target=loop.run_forever, daemon=True).start()
 
     def emit_of(k: int):
-        def emit(item) -> None:
+        def heard(item) -> None:  # on the loop, as `Engine.generate` takes its items
             if item is None or isinstance(item, BaseException):
                 finished[0] += 1
                 if finished[0] == sequences:
                     ended.set()
             elif type(item.item).__name__ == "Logprobs":
                 counts[k] += 1
+
+        def emit(item) -> None:  # `Engine.generate`'s emit: hand the item to the caller's loop
+            loop.call_soon_threadsafe(heard, item)
         return emit
 
     def sample(name: str) -> float:
@@ -501,6 +507,7 @@ def _step_run(model, tokenizer, allowed, sequences: int, output_thread: bool, to
         assert ended.wait(600)
     finally:
         scheduler.close()
+        loop.call_soon_threadsafe(loop.stop)
     return spent / steps, read / wall
 
 
