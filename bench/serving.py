@@ -39,8 +39,9 @@ decoding) and stops them; the machine is shared, so compare the figures of one r
   -C DIR`), for that one, in the same run (target: >= 24 here).
 - memory: `--chats` such chats held at once, at `--max-model-len` 32,768 and 1,048,576: the most KV
   bytes the scheduler accounts for (`kimi_vision_kv_cache_used_bytes`: blocks held; the baseline's
-  `kimi_vision_kv_cache_reserved_bytes`: worst cases) and the server's RSS growth over idle (target:
-  the two lengths within 1.2x here). CPU only: `torch.cuda.memory_allocated` is not measured.
+  `kimi_vision_kv_cache_reserved_bytes`: worst cases), the pool's storage
+  (`kimi_vision_kv_cache_allocated_bytes`) and the server's RSS growth over idle (target: the two
+  lengths within 1.2x here). CPU only: `torch.cuda.memory_allocated` is not measured.
 - step: in this process (no server), `--sequences` greedy sequences of a tiny random trunk (the
   project's tiny tokenizer) on one torch
   thread decode together (logprobs and a stop string that never matches: every token parsed,
@@ -435,21 +436,24 @@ def admission(args: argparse.Namespace) -> int:
 
 
 def memory(args: argparse.Namespace) -> int:
-    names = ("kimi_vision_kv_cache_used_bytes", "kimi_vision_kv_cache_reserved_bytes", "kimi_vision_running_sequences")
+    held, reserved, allocated, running = ("kimi_vision_kv_cache_used_bytes", "kimi_vision_kv_cache_reserved_bytes",
+                                          "kimi_vision_kv_cache_allocated_bytes", "kimi_vision_running_sequences")
     print(f"\n{args.chats} streamed chats (\"hi\", no max_tokens, ignore_eos) held at once until each has read "
           f"{args.read_tokens} tokens; --kv-cache-memory-gb {args.kv_cache_memory_gb}\n")
-    print("| server | --max-model-len | most running | KV bytes (gauge, peak) | RSS growth over idle (peak) |\n"
-          "|---|---|---|---|---|")
+    print("| server | --max-model-len | most running | KV bytes held (gauge, peak) | pool allocated (gauge, peak) | "
+          "RSS growth over idle (peak) |\n|---|---|---|---|---|---|")
     for label, tree in _trees(args):
         peaks = []
         for length in (32_768, 1_048_576):
             result = _chats_on(tree, ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-model-len",
-                                      str(length)], args.chats, args.read_tokens, True, names)
-            gauge = next((n for n in names[:2] if n in result["peaks"]), names[0])
+                                      str(length)], args.chats, args.read_tokens, True,
+                               (held, reserved, allocated, running))
+            gauge = held if held in result["peaks"] else reserved
             peaks.append(result["peaks"].get(gauge, 0.0))
-            print(f"| {label} | {length:,} | {result['peaks'].get(names[2], 0):.0f} | {peaks[-1]:,.0f} "
-                  f"(`{gauge}`) | {result['rss_growth'] / 2**20:,.1f} MiB |", flush=True)
-        print(f"| {label} | 1,048,576 / 32,768 | | {peaks[1] / max(peaks[0], 1):.2f}x | |", flush=True)
+            pool = f"{result['peaks'][allocated]:,.0f}" if allocated in result["peaks"] else "-"
+            print(f"| {label} | {length:,} | {result['peaks'].get(running, 0):.0f} | {peaks[-1]:,.0f} (`{gauge}`) | "
+                  f"{pool} | {result['rss_growth'] / 2**20:,.1f} MiB |", flush=True)
+        print(f"| {label} | 1,048,576 / 32,768 | | {peaks[1] / max(peaks[0], 1):.2f}x | | |", flush=True)
     return 0
 
 

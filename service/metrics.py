@@ -123,6 +123,9 @@ class Metrics:
         self.kv_cache_used_bytes = Gauge("kimi_vision_kv_cache_used_bytes",
                                          "Bytes of the KV cache pool held by sequences (blocks used x block size).",
                                          registry=r)
+        self.kv_cache_allocated_bytes = Gauge("kimi_vision_kv_cache_allocated_bytes",
+                                              "Bytes the KV cache pool's storage takes (a GPU's: the pool from the "
+                                              "start; a CPU's grows with the blocks taken).", registry=r)
         self.kv_cache_preemptions = Counter("kimi_vision_kv_cache_preemptions",
                                             "Sequences preempted (blocks freed, prefilled again later) when the KV "
                                             "cache pool ran out.", registry=r)

@@ -151,6 +151,25 @@ def test_block_table_attention_equals_the_contiguous_cache(model):
             torch.testing.assert_close(cache.latents(torch.float32), refs[b].latents(), atol=0, rtol=0)
 
 
+def test_a_bounded_pool_grows_with_its_blocks_up_to_its_bound():
+    """Without preallocate, the storage grows as blocks are taken (doubling, never past the
+    bound); past the bound, OutOfBlocks; with preallocate, the bound from the start."""
+    pool = mla.LatentPool(2, 3, torch.float32, num_blocks=10, block_size=4)
+    assert (pool.allocated, pool.num_free, pool.allocated_bytes) == (0, 10, 0)
+    first = pool.allocate(3)
+    assert (pool.allocated, pool.num_free) == (3, 7)
+    pool.allocate(4)
+    assert (pool.allocated, pool.num_free) == (7, 3)  # what it needs, at least double
+    pool.allocate(3)
+    assert (pool.allocated, pool.num_free) == (10, 0)  # 14, held to the bound
+    with pytest.raises(mla.OutOfBlocks):
+        pool.allocate(1)
+    pool.free(first)
+    assert pool.allocate(3) == first and pool.allocated_bytes == 10 * 2 * 4 * 3 * 4
+    whole = mla.LatentPool(2, 3, torch.float32, num_blocks=10, block_size=4, preallocate=True)
+    assert (whole.allocated, whole.num_free) == (10, 10)
+
+
 def test_a_table_that_changes_is_gathered_anew():
     """The gather's tables are made once a step and kept while the tables are unchanged: a table
     released and refilled with as many blocks (others now) is read from its new blocks."""

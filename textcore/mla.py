@@ -62,18 +62,21 @@ def _warn_fp8_once() -> None:
 
 
 class OutOfBlocks(RuntimeError):
-    """A fixed `LatentPool` has fewer free blocks than a sequence asked for."""
+    """A `LatentPool` at its `num_blocks` has fewer free blocks than a sequence asked for."""
 
 
 class LatentPool:
     """The MLA latents of many sequences in fixed-size blocks: `storage` `[layers, blocks,
     block_size, dims]`, one block id covering `block_size` tokens of every MLA layer, handed out by
-    `allocate` and returned by `free`. With `num_blocks` the pool is that size for good (the
-    scheduler's budget: `allocate` raises `OutOfBlocks` past it); without, it grows by doubling
-    (a sequence or batch of its own, outside a scheduler)."""
+    `allocate` and returned by `free`. `num_blocks` bounds it (the scheduler's budget: `allocate`
+    raises `OutOfBlocks` past it; None: no bound, a sequence or batch of its own). It is allocated
+    whole at once with `preallocate` (a GPU's, as vLLM does: the memory is the server's from the
+    start), else it grows by doubling as blocks are taken (the storage copied), so the memory it
+    holds follows the tokens held: on a CPU, where every mapped byte counts against the host's
+    commit, a budget not yet needed is not taken."""
 
     def __init__(self, layers: int, dims: int, dtype: torch.dtype, *, latent_dtype: torch.dtype | None = None,
-                 num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+                 num_blocks: int | None = None, preallocate: bool = False, block_size: int = BLOCK_SIZE,
                  device: torch.device | str = "cpu") -> None:
         if latent_dtype not in (None, torch.float8_e4m3fn):
             raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {latent_dtype}")
@@ -81,19 +84,29 @@ class LatentPool:
         if self.fp8:
             _warn_fp8_once()
         self.block_size = block_size
-        self.fixed = num_blocks is not None
-        self.storage = torch.empty(layers, num_blocks or 0, block_size, dims, dtype=latent_dtype or dtype,
-                                   device=device)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # popped from the end: lowest ids first
+        self.limit = num_blocks
+        self.storage = torch.empty(layers, num_blocks if preallocate and num_blocks else 0, block_size, dims,
+                                   dtype=latent_dtype or dtype, device=device)
+        self._free = list(range(self.allocated - 1, -1, -1))  # popped from the end: lowest ids first
         self._tables: tuple[tuple, torch.Tensor] | None = None  # `_stack_right_padded`'s, for every layer of a step
 
     @property
     def num_blocks(self) -> int:
+        """The blocks it may hold: its bound, or (without one) those it has."""
+        return self.allocated if self.limit is None else self.limit
+
+    @property
+    def allocated(self) -> int:
+        """The blocks its storage has now."""
         return self.storage.shape[1]
 
     @property
+    def allocated_bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self.allocated
 
     @property
     def block_bytes(self) -> int:
@@ -105,10 +118,11 @@ class LatentPool:
         return -(-tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int]:
+        if self.limit is not None and count > self.num_free:
+            raise OutOfBlocks(f"{count} blocks asked of a pool with {self.num_free} free")
         if count > len(self._free):
-            if self.fixed:
-                raise OutOfBlocks(f"{count} blocks asked of a pool with {len(self._free)} free")
-            self._grow(max(2 * self.num_blocks, self.num_blocks + count - len(self._free)))
+            grown = max(2 * self.allocated, self.allocated + count - len(self._free))
+            self._grow(grown if self.limit is None else min(grown, self.limit))
         taken = self._free[len(self._free) - count:][::-1]
         del self._free[len(self._free) - count:]
         if taken:  # rows a sequence has not written yet hold zeros, never the garbage of torch.empty
@@ -120,8 +134,8 @@ class LatentPool:
 
     def _grow(self, blocks: int) -> None:
         grown = self.storage.new_empty(self.storage.shape[0], blocks, *self.storage.shape[2:])
-        grown[:, :self.num_blocks] = self.storage
-        self._free = list(range(blocks - 1, self.num_blocks - 1, -1)) + self._free
+        grown[:, :self.allocated] = self.storage
+        self._free = list(range(blocks - 1, self.allocated - 1, -1)) + self._free
         self.storage = grown
 
     def store(self, latent: torch.Tensor) -> torch.Tensor:

@@ -210,13 +210,15 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {int(ids.min())}..{int(ids.max())}")
         return self.model.embed_tokens(ids)
 
-    def new_pool(self, num_blocks: int | None = None, latent_dtype: torch.dtype | None = None) -> LatentPool:
-        """A pool for the MLA latents of many sequences: `num_blocks` blocks for good, or (None) one
-        that grows as they need. latent_dtype torch.float8_e4m3fn stores them in fp8 (scale 1.0,
-        warned once)."""
+    def new_pool(self, num_blocks: int | None = None, latent_dtype: torch.dtype | None = None, *,
+                 preallocate: bool = False) -> LatentPool:
+        """A pool for the MLA latents of many sequences: at most `num_blocks` blocks (None: no bound),
+        allocated whole at once with `preallocate`, else as they are taken (`LatentPool`).
+        latent_dtype torch.float8_e4m3fn stores them in fp8 (scale 1.0, warned once)."""
         cfg = self.cfg
         return LatentPool(len(cfg.full_attn_layers), cfg.kv_lora_rank + cfg.qk_rope_head_dim, self.dtype,
-                          latent_dtype=latent_dtype, num_blocks=num_blocks, device=self.device)
+                          latent_dtype=latent_dtype, num_blocks=num_blocks, preallocate=preallocate,
+                          device=self.device)
 
     def new_sequence(self, pool: LatentPool | None = None, latent_dtype: torch.dtype | None = None) -> SequenceCache:
         """A fresh sequence's cache, its latents in `pool` (None: a growing pool of its own)."""

@@ -4,6 +4,8 @@ One fixed `textcore.mla.LatentPool` holds the MLA latents of every sequence in 1
 (one block: 16 tokens of every MLA layer); each sequence's `SequenceCache` names its blocks in a
 block table. KDA's recurrent state is fixed-size and stays each sequence's own, outside the pool;
 the budget (`--kv-cache-memory-gb`) holds `max_num_seqs` of those states, and the pool is the rest.
+On a GPU the pool is allocated whole at start; on a CPU it grows (by doubling) as blocks are
+taken, up to that size.
 
 The scheduler asks before each step (vLLM's v1 KVCacheManager, in small): `admits` (the blocks a
 prompt needs now, plus a watermark kept free while others run, so that admitting does not at once
@@ -28,7 +30,9 @@ class KVCacheManager:
         self.model = model
         block_bytes = model.new_pool(0, latent_dtype).block_bytes
         states = max_num_seqs * SequenceCache.state_bytes(model.cfg)
-        self.pool = model.new_pool(max(0, kv_cache_bytes - states) // block_bytes, latent_dtype)
+        # a GPU's pool is the server's from the start (vLLM's way); a CPU's grows with the blocks taken
+        self.pool = model.new_pool(max(0, kv_cache_bytes - states) // block_bytes, latent_dtype,
+                                   preallocate=model.device.type == "cuda")
         if self.pool.num_blocks < 1:
             raise ValueError(f"a KV cache budget of {kv_cache_bytes:,} bytes holds no block of {block_bytes:,} bytes "
                              f"({self.pool.block_size} tokens) beside the KDA states of {max_num_seqs} sequences "
@@ -46,6 +50,11 @@ class KVCacheManager:
     @property
     def block_bytes(self) -> int:
         return self.pool.block_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the pool's storage takes now (all of it from the start on a GPU)."""
+        return self.pool.allocated_bytes
 
     @property
     def max_tokens(self) -> int:

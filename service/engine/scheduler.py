@@ -473,3 +473,4 @@ class Scheduler:
             self.metrics.waiting_generations.set(len(self._waiting) + len(self._prefilling))
             self.metrics.kv_cache_blocks_used.set(self.kv.used)
             self.metrics.kv_cache_used_bytes.set(self.kv.used * self.kv.block_bytes)
+            self.metrics.kv_cache_allocated_bytes.set(self.kv.allocated_bytes)
