@@ -9,10 +9,10 @@
 k_rot is one key shared by all heads and is never rotated (mla_use_nope). The cache holds only
 the per-token latent [c | k_rot] (kv_lora_rank + rope dims), in the fixed-size blocks of a
 `LatentPool`; each sequence names its blocks in a `BlockTable`, and attention reads a sequence's
-latents by gathering its blocks. A prompt
-(T > 1) is attended in the expanded form through `scaled_dot_product_attention` (flash kernels on
-CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cached prefix one block
-of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
+latents by gathering its blocks. A prompt (T > 1) is attended in the expanded form through
+`scaled_dot_product_attention` (flash kernels on CPU and CUDA): a whole prompt in one causal call,
+a chunk that continues a cached prefix one block of QUERY_CHUNK queries at a time with that
+block's mask only. Memory grows linearly with the
 context: no `[H, T, S]` scores, no `[T, S]` mask. On the CPU that attention, the trunk's one op
 of quadratic work, may take more torch threads than the rest (`GatedMLA.attention_threads`: the
 serving engine gives it the CPUs its encoder workers leave idle). A decode step (T == 1) uses the
@@ -46,7 +46,7 @@ QUERY_CHUNK = 256
 # Tokens a block of the latent pool holds (vLLM's default): small enough that a sequence holds at
 # most one partly filled block, large enough that a gather moves whole runs of rows
 BLOCK_SIZE = 16
-_tables = itertools.count()  # BlockTable serials
+_table_serials = itertools.count()  # BlockTable.key
 # Query-key scores (all heads) a prompt's attention must reach before it may run on more threads than
 # the rest of the trunk (`GatedMLA.attention_threads`): ~1 ms of work on one CPU thread, far more
 # than waking the others costs. The trunk's other ops are too small to gain from them.
@@ -163,11 +163,11 @@ class BlockTable:
         self.blocks: list[int] = []
         # which table, in which state: (a serial never reused, a count of its changes), what the
         # tensors made from its blocks are keyed by
-        self.key = (next(_tables), 0)
+        self.key = (next(_table_serials), 0)
         self._tensor: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def reserve(self, tokens: int) -> None:
-        """Blocks for `tokens` tokens in all (`OutOfBlocks` from a fixed pool without them)."""
+        """Blocks for `tokens` tokens in all (`OutOfBlocks` from a pool at its bound without them)."""
         short = self.pool.blocks_for(tokens) - len(self.blocks)
         if short > 0:
             self.blocks += self.pool.allocate(short)
@@ -194,7 +194,7 @@ class BlockTable:
 class MLACache:
     """One sequence's latents in one MLA layer (`slot` of the pool's layers): the first `length`
     tokens of its `BlockTable`. Appending takes the blocks the new rows need (a scheduler reserved
-    them before the step; a growable pool hands them out here)."""
+    them before the step; outside one, an unbounded pool hands them out here)."""
 
     def __init__(self, table: BlockTable, slot: int) -> None:
         self.table = table

@@ -75,7 +75,7 @@ class SequenceCache:
         self.length = 0
 
     def reserve(self, tokens: int) -> None:
-        """Blocks for `tokens` more tokens (`textcore.mla.OutOfBlocks` from a fixed pool without them)."""
+        """Blocks for `tokens` more tokens (`textcore.mla.OutOfBlocks` from a pool at its bound without them)."""
         self.table.reserve(self.length + tokens)
 
     def release(self) -> None:

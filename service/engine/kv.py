@@ -1,6 +1,6 @@
 """The trunk's KV cache as blocks: what the scheduler admits, grows and preempts by.
 
-One fixed `textcore.mla.LatentPool` holds the MLA latents of every sequence in 16-token blocks
+One bounded `textcore.mla.LatentPool` holds the MLA latents of every sequence in 16-token blocks
 (one block: 16 tokens of every MLA layer); each sequence's `SequenceCache` names its blocks in a
 block table. KDA's recurrent state is fixed-size and stays each sequence's own, outside the pool;
 the budget (`--kv-cache-memory-gb`) holds `max_num_seqs` of those states, and the pool is the rest.
