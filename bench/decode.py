@@ -80,10 +80,11 @@ def decode_rate(model: KimiLinearForCausalLM, batch: int, steps: int, device: to
     greedy = SamplingParams(max_new_tokens=steps + 3, ignore_eos=True)
     space = TokenSpace(model.cfg.vocab_size)
     samplers = [Sampler(greedy, space, device) for _ in range(batch)]
+    pool = model.new_pool()  # one pool: a decode step gathers every sequence's blocks at once
     for i in range(batch):
         length = PROMPT + SPREAD * i
         prompt = torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen).to(device)
-        caches.append(model.new_sequence(length + steps + 3))
+        caches.append(model.new_sequence(pool))
         logits = model(prompt, cache=TrunkCache([caches[-1]]), last_only=True)
         tokens.append(sample_batch(logits, samplers[i:i + 1])[0].token_id)
     for _ in range(2):  # warm up (kernel choice, allocator)

@@ -3,6 +3,9 @@
     python -m bench.serving prefill    [--max-num-batched-tokens 16384] [--repeats 1]
     python -m bench.serving throughput [--clients 16] [--requests 4] [--max-tokens 32]
     python -m bench.serving fairness   [--max-num-batched-tokens 512] [--streams 4] [--prompt-tokens 15000]
+    python -m bench.serving admission  [--baseline DIR] [--chats 32] [--read-tokens 32] [--kv-cache-memory-gb 1]
+    python -m bench.serving memory     [--baseline DIR] [--chats 16] [--read-tokens 32] [--kv-cache-memory-gb 8]
+    python -m bench.serving step       [--sequences 32] [--rounds 2]
 
 Every part starts its own server(s) (`--devices cpu:1`, the embedded tiny checkpoint, greedy
 decoding) and stops them; the machine is shared, so compare the figures of one run.
@@ -27,6 +30,26 @@ decoding) and stops them; the machine is shared, so compare the figures of one r
   (`max_tokens` 1) is sent; the streams' inter-token gaps while it is in (from its sending to its
   reply) against their gaps without it. Reported: median gap without, p50 / p99 / max with, and
   p99 with / median without (target <= 5), at the given `--max-num-batched-tokens`.
+- admission: `--chats` concurrent streamed chats ("hi", no `max_tokens`: each may run to the model
+  length, `ignore_eos`), each client reading `--read-tokens` tokens (logprobs on: one entry a
+  token) and then leaving, under `--kv-cache-memory-gb` (1: four worst-case sequences of the tiny
+  checkpoint at its 1,048,576-token context, 251,666,944 bytes each). Reported: the most sequences
+  running at once (`kimi_vision_running_sequences`, scraped every 20 ms) and the wall time, for this
+  tree and, with `--baseline DIR` (a checkout of an older commit, e.g. `git archive c9f0881 | tar -x
+  -C DIR`), for that one, in the same run (target: >= 24 here).
+- memory: `--chats` such chats held at once, at `--max-model-len` 32,768 and 1,048,576: the most KV
+  bytes the scheduler accounts for (`kimi_vision_kv_cache_used_bytes`: blocks held; the baseline's
+  `kimi_vision_kv_cache_reserved_bytes`: worst cases), the pool's storage
+  (`kimi_vision_kv_cache_allocated_bytes`) and the server's RSS growth over idle (target: the two
+  lengths within 1.2x here). CPU only: `torch.cuda.memory_allocated` is not measured.
+- step: in this process (no server), `--sequences` greedy sequences of a tiny random trunk (the
+  project's tiny tokenizer) on one torch
+  thread decode together (logprobs and a stop string that never matches: every token parsed,
+  detokenized and searched; each item handed to an event loop on another thread, as the engine's
+  emit does), output processing on its own thread and then on the trunk's
+  (`Scheduler(output_thread=False)`: the behaviour before), alternated for `--rounds`. Reported:
+  the mean trunk step (`kimi_vision_trunk_step_seconds`) over steps of all `--sequences`, and the
+  tokens a second.
 """
 
 from __future__ import annotations
@@ -35,7 +58,10 @@ import argparse
 import asyncio
 import base64
 import io
+import json
+import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,11 +84,12 @@ _READY = re.compile(r"serving on (\S+):(\d+) \(health SERVING\)(.*)")
 class Server:
     """`kimi-vision serve` in a subprocess: its ports, its RSS, an RSS watchdog."""
 
-    def __init__(self, flags: list[str], max_rss_bytes: int | None = None) -> None:
+    def __init__(self, flags: list[str], max_rss_bytes: int | None = None, tree: Path = REPO_ROOT) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="serving-bench-")
         command = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "0", "--devices",
                    "cpu:1", *flags]
-        self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        env = {**os.environ, "PYTHONPATH": str(tree)}  # the tree's own packages, whichever it is
+        self.proc = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         for line in self.proc.stdout:
             m = _READY.search(line)
             if m:
@@ -306,6 +333,216 @@ def fairness(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# admission and memory: chats without max_tokens, against this tree and a baseline
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    text = httpx.get(url, timeout=10).text
+    values = {}
+    for name in names:
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        if m:
+            values[name] = float(m.group(1))
+    return values
+
+
+async def _chats_run(http: str, chats: int, read_tokens: int, hold: bool) -> tuple[float, int]:
+    """`chats` streamed "hi" chats without max_tokens; each client reads `read_tokens` tokens, then
+    (`hold`: once all have) leaves. Returns the wall time and the tokens read."""
+    read = [0] * chats
+    everyone = asyncio.Event()
+    limits = httpx.Limits(max_connections=chats * 2, max_keepalive_connections=chats * 2)
+    async with httpx.AsyncClient(base_url=http, timeout=1800, limits=limits) as client:
+        async def chat(k: int) -> None:
+            body = _chat("hi", stream=True, logprobs=True, ignore_eos=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                assert reply.status_code == 200, await reply.aread()
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    for choice in json.loads(line[6:])["choices"]:
+                        read[k] += len((choice.get("logprobs") or {}).get("content") or [])
+                    if read[k] >= read_tokens:
+                        if hold:  # every chat holds its sequence until all have their tokens
+                            if all(n >= read_tokens for n in read):
+                                everyone.set()
+                            await everyone.wait()
+                        break
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(chat(k) for k in range(chats)))
+        return time.perf_counter() - t0, sum(read)
+
+
+def _watch(metrics: str, names: tuple[str, ...], peaks: dict[str, float], server: Server, done: threading.Event,
+           rss: list[int]) -> None:
+    while not done.is_set():
+        try:
+            for name, value in _gauges(metrics, names).items():
+                peaks[name] = max(peaks.get(name, 0.0), value)
+            rss.append(server.rss())
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.02)
+
+
+def _chats_on(tree: Path, flags: list[str], chats: int, read_tokens: int, hold: bool,
+              names: tuple[str, ...]) -> dict:
+    metrics_port = _free_port()
+    server = Server([*flags, "--metrics-port", str(metrics_port)], tree=tree)
+    peaks: dict[str, float] = {}
+    rss: list[int] = []
+    done = threading.Event()
+    try:
+        idle = server.rss()
+        watcher = threading.Thread(target=_watch, args=(f"http://127.0.0.1:{metrics_port}/metrics", names, peaks,
+                                                        server, done, rss), daemon=True)
+        watcher.start()
+        wall, read = asyncio.run(_chats_run(server.http, chats, read_tokens, hold))
+        time.sleep(0.1)
+        done.set()
+        watcher.join()
+    finally:
+        server.stop()
+    return {"wall": wall, "read": read, "peaks": peaks, "rss_growth": max(rss, default=idle) - idle}
+
+
+def _trees(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    trees = [("this tree", REPO_ROOT)]
+    if args.baseline:
+        trees.append((f"baseline ({args.baseline})", Path(args.baseline).resolve()))
+    return trees
+
+
+def admission(args: argparse.Namespace) -> int:
+    names = ("kimi_vision_running_sequences",)
+    print(f"\n{args.chats} concurrent streamed chats (\"hi\", no max_tokens, ignore_eos), each client reads "
+          f"{args.read_tokens} tokens then leaves; --kv-cache-memory-gb {args.kv_cache_memory_gb}, the tiny "
+          "checkpoint's context (1,048,576)\n")
+    print("| server | most sequences running at once | tokens read | wall |\n|---|---|---|---|")
+    for label, tree in _trees(args):
+        result = _chats_on(tree, ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)], args.chats,
+                           args.read_tokens, False, names)
+        print(f"| {label} | {result['peaks'].get(names[0], 0):.0f} | {result['read']:,} | {result['wall']:.1f} s |",
+              flush=True)
+    return 0
+
+
+def memory(args: argparse.Namespace) -> int:
+    held, reserved, allocated, running = ("kimi_vision_kv_cache_used_bytes", "kimi_vision_kv_cache_reserved_bytes",
+                                          "kimi_vision_kv_cache_allocated_bytes", "kimi_vision_running_sequences")
+    print(f"\n{args.chats} streamed chats (\"hi\", no max_tokens, ignore_eos) held at once until each has read "
+          f"{args.read_tokens} tokens; --kv-cache-memory-gb {args.kv_cache_memory_gb}\n")
+    print("| server | --max-model-len | most running | KV bytes held (gauge, peak) | pool allocated (gauge, peak) | "
+          "RSS growth over idle (peak) |\n|---|---|---|---|---|---|")
+    for label, tree in _trees(args):
+        peaks = []
+        for length in (32_768, 1_048_576):
+            result = _chats_on(tree, ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-model-len",
+                                      str(length)], args.chats, args.read_tokens, True,
+                               (held, reserved, allocated, running))
+            gauge = held if held in result["peaks"] else reserved
+            peaks.append(result["peaks"].get(gauge, 0.0))
+            pool = f"{result['peaks'][allocated]:,.0f}" if allocated in result["peaks"] else "-"
+            print(f"| {label} | {length:,} | {result['peaks'].get(running, 0):.0f} | {peaks[-1]:,.0f} (`{gauge}`) | "
+                  f"{pool} | {result['rss_growth'] / 2**20:,.1f} MiB |", flush=True)
+        print(f"| {label} | 1,048,576 / 32,768 | | {peaks[1] / max(peaks[0], 1):.2f}x | | |", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# step time: output processing on and off the trunk's thread
+
+
+def _step_run(model, tokenizer, allowed, sequences: int, output_thread: bool, tokens: int) -> tuple[float, float]:
+    import torch
+
+    from service.engine.inputs import Prompt
+    from service.engine.scheduler import Generation, Scheduler
+    from service.metrics import Metrics
+    from textcore.generate import SamplingParams
+
+    metrics = Metrics()
+    scheduler = Scheduler(model, tokenizer, max_num_seqs=sequences, max_num_batched_tokens=max(512, sequences),
+                          kv_cache_bytes=1 << 30, allowed_ids=allowed, metrics=metrics, output_thread=output_thread)
+    counts = [0] * sequences
+    ended = threading.Event()
+    finished = [0]
+    loop = asyncio.new_event_loop()  # the callers' loop, on a thread of its own, as in the server
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def emit_of(k: int):
+        def heard(item) -> None:  # on the loop, as `Engine.generate` takes its items
+            if item is None or isinstance(item, BaseException):
+                finished[0] += 1
+                if finished[0] == sequences:
+                    ended.set()
+            elif type(item.item).__name__ == "Logprobs":
+                counts[k] += 1
+
+        def emit(item) -> None:  # `Engine.generate`'s emit: hand the item to the caller's loop
+            loop.call_soon_threadsafe(heard, item)
+        return emit
+
+    def sample(name: str) -> float:
+        return metrics.registry.get_sample_value(f"kimi_vision_trunk_step_seconds_{name}") or 0.0
+
+    try:
+        torch.set_num_threads(1)
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, logprobs=True, top_logprobs=2,
+                                stop=("never appears in this reply",))
+        for k in range(sequences):
+            ids = [163584, *tokenizer.encode(f"Tell me story number {k}, with details.")]
+            scheduler.submit(Generation(Prompt(ids, [], thinking=False), [], params, emit_of(k)))
+        while scheduler.last_batch < sequences or min(counts) < 10:
+            time.sleep(0.001)
+        steps0, sum0, t0, read0 = sample("count"), sample("sum"), time.perf_counter(), sum(counts)
+        while max(counts) < tokens - 10:
+            time.sleep(0.001)
+        steps, spent, wall, read = sample("count") - steps0, sample("sum") - sum0, time.perf_counter() - t0, \
+            sum(counts) - read0
+        assert ended.wait(600)
+    finally:
+        scheduler.close()
+        loop.call_soon_threadsafe(loop.stop)
+    return spent / steps, read / wall
+
+
+def step(args: argparse.Namespace) -> int:
+    from service.engine.loading import decodable_ids
+    from textcore.config import tiny
+    from textcore.model import KimiLinearForCausalLM
+    from textcore.tiny_vocab import write_tiny_tokenizer
+    from textcore.tokenizer import Tokenizer
+
+    model = KimiLinearForCausalLM.random(tiny(), seed=11)
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        tokenizer = Tokenizer.from_pretrained(write_tiny_tokenizer(Path(tokenizer_dir)))
+    allowed = decodable_ids(tokenizer, model.cfg.vocab_size)
+    rows = []
+    for r in range(args.rounds):
+        for output_thread in (True, False):
+            mean, rate = _step_run(model, tokenizer, allowed, args.sequences, output_thread, args.tokens)
+            rows.append((output_thread, r + 1, mean, rate))
+    print(f"\n{args.sequences} sequences decoding together (tiny random trunk, one torch thread, greedy, logprobs "
+          f"with top 2, one stop string), {args.tokens} tokens each; steps while all {args.sequences} run\n")
+    print("| output processing | round | mean step | tokens/s |\n|---|---|---|---|")
+    for output_thread, r, mean, rate in rows:
+        where = "its own thread" if output_thread else "the trunk's thread (before)"
+        print(f"| {where} | {r} | {mean * 1e3:.2f} ms | {rate:,.0f} |")
+    off = min(m for t, _, m, _ in rows if t)
+    on = min(m for t, _, m, _ in rows if not t)
+    print(f"\nbest mean step: {off * 1e3:.2f} ms off the trunk's thread vs {on * 1e3:.2f} ms on it ({on / off:.2f}x)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
@@ -324,8 +561,20 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--prompt-tokens", type=int, default=15000)
     f.add_argument("--baseline-seconds", type=float, default=8.0)
     f.add_argument("--max-rss-gb", type=float, default=8.0)
+    for name, chats, budget in (("admission", 32, 1.0), ("memory", 16, 8.0)):
+        c = sub.add_parser(name)
+        c.add_argument("--baseline", metavar="DIR", help="a checkout of an older commit, served side by side")
+        c.add_argument("--chats", type=int, default=chats)
+        c.add_argument("--read-tokens", type=int, default=32)
+        c.add_argument("--kv-cache-memory-gb", type=float, default=budget)
+    st = sub.add_parser("step")
+    st.add_argument("--sequences", type=int, default=32)
+    st.add_argument("--tokens", type=int, default=200, help="tokens each sequence decodes")
+    st.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    return {"prefill": prefill, "throughput": throughput, "fairness": fairness}[args.part](args)
+    parts = {"prefill": prefill, "throughput": throughput, "fairness": fairness, "admission": admission,
+             "memory": memory, "step": step}
+    return parts[args.part](args)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 # Seconds; covers header-only CountTokens (sub-ms) up to long Generate streams.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # one trunk step
 GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 # The HTTP `method` label's values: any other method a caller makes up counts as "other" (label
 # values come from fixed sets, or a scraper's series grow with whatever the internet sends).
@@ -121,11 +122,25 @@ class Metrics:
         self.running_sequences = Gauge("kimi_vision_running_sequences", "Sequences decoding in the trunk's batch.",
                                        registry=r)
         self.waiting_generations = Gauge("kimi_vision_waiting_generations",
-                                         "Generations waiting for the trunk or having their prompt prefilled.",
+                                         "Generations (and preempted sequences) waiting for the trunk or being "
+                                         "prefilled.", registry=r)
+        self.kv_cache_blocks_total = Gauge("kimi_vision_kv_cache_blocks_total",
+                                           "Blocks of the trunk's KV cache pool (16 tokens of every MLA layer each).",
+                                           registry=r)
+        self.kv_cache_blocks_used = Gauge("kimi_vision_kv_cache_blocks_used",
+                                          "Blocks of the KV cache pool held by sequences.", registry=r)
+        self.kv_cache_used_bytes = Gauge("kimi_vision_kv_cache_used_bytes",
+                                         "Bytes of the KV cache pool held by sequences (blocks used x block size).",
                                          registry=r)
-        self.kv_cache_reserved_bytes = Gauge("kimi_vision_kv_cache_reserved_bytes",
-                                             "Worst-case KV cache of the admitted generations (within the budget).",
-                                             registry=r)
+        self.kv_cache_allocated_bytes = Gauge("kimi_vision_kv_cache_allocated_bytes",
+                                              "Bytes the KV cache pool's storage takes (a GPU's: the pool from the "
+                                              "start; a CPU's grows with the blocks taken).", registry=r)
+        self.kv_cache_preemptions = Counter("kimi_vision_kv_cache_preemptions",
+                                            "Sequences preempted (blocks freed, prefilled again later) when the KV "
+                                            "cache pool ran out.", registry=r)
+        self.trunk_step_seconds = Histogram("kimi_vision_trunk_step_seconds",
+                                            "Time of one trunk forward with its sampling (one engine step).",
+                                            buckets=STEP_BUCKETS, registry=r)
         self.images_refused = Counter("kimi_vision_images_refused",
                                       "Images refused, by reason (the error kind: bad_input, too_large, unsupported).",
                                       ["reason"], registry=r)

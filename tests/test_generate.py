@@ -53,7 +53,8 @@ def test_greedy_batch_equals_recomputing_every_prefix_alone(model):
 
 def _decode(model, prompts, steps, samplers):
     """Prefill each prompt alone, then `steps` batched decode steps; tokens and logits per row."""
-    caches = [model.new_sequence(len(p) + steps) for p in prompts]
+    pool = model.new_pool()
+    caches = [model.new_sequence(pool) for _ in prompts]
     logits = torch.cat([model(torch.tensor([p]), cache=TrunkCache([c]), last_only=True)
                         for p, c in zip(prompts, caches, strict=True)])
     tokens, seen = [[] for _ in prompts], [[] for _ in prompts]

@@ -10,6 +10,7 @@ A real server on 127.0.0.1 (HTTP and gRPC) whose trunk writes a fixed chain of t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from service.engine import Engine, EngineConfig
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import VisionClient, user
 from service.server import ServerConfig, ServerThread
-from textcore.generate import SamplingParams
+from textcore.model import SequenceCache
 from textcore.tokenizer import END_OF_MSG_ID, MEDIA_PAD_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -213,22 +214,25 @@ def test_generations_take_no_work_slot_and_a_leaving_client_frees_its_sequence(w
     while not scheduler.idle:
         assert time.monotonic() < deadline, "the streams' sequences did not leave the batch"
         time.sleep(0.02)
-    assert scheduler.reserved_bytes == 0 and writer.server.admission.admitted == 0
+    assert scheduler.kv.used == 0 and writer.server.admission.admitted == 0
 
 
-def test_a_request_over_the_kv_budget_is_too_large_and_one_that_fits_waits(base, tiny_checkpoint):
-    main = base.engine
-    probe = main.scheduler
+def test_a_request_over_the_kv_pool_is_too_large_and_two_that_fill_it_run_in_turn(base, tiny_checkpoint):
+    """A pool that holds one sequence of the model length (as vLLM checks at start): n prompts
+    over the pool are a 413; two replies that each fill it both finish, the first first (the
+    second waits for blocks, or is preempted when the pool runs dry and resumes)."""
+    probe = base.engine.scheduler.kv
     prompt_tokens = _complete_tokens(base)
-    one = probe.worst_case_bytes(prompt_tokens, SamplingParams(max_new_tokens=64))
-    # A model length that one such generation fills (one sequence of it must fit the budget, as vLLM checks).
-    handle, engine = _writer(base, tiny_checkpoint, ServerConfig(port=0, http_port=0), kv_cache_bytes=one + one // 2,
-                             max_model_len=prompt_tokens + 64)
+    blocks = probe.blocks_for(prompt_tokens + 64)
+    states = base.engine.scheduler.max_num_seqs * SequenceCache.state_bytes(base.engine.model.cfg)
+    handle, engine = _writer(base, tiny_checkpoint, ServerConfig(port=0, http_port=0),
+                             kv_cache_bytes=blocks * probe.block_bytes + states, max_model_len=prompt_tokens + 64)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{handle.server.http_port}", timeout=120) as client:
-            over = client.post("/v1/chat/completions", json=_body(max_tokens=64, n=2))
+            over = client.post("/v1/chat/completions", json=_body(max_tokens=1, n=blocks + 1))
             assert over.status_code == 413, over.text
-            assert "worst-case KV cache" in ErrorResponse.model_validate(over.json()).error.message
+            assert f"over the server's {blocks} (--kv-cache-memory-gb)" in ErrorResponse.model_validate(
+                over.json()).error.message
             order: list[str] = []
 
             def ask(name: str) -> None:
@@ -244,11 +248,28 @@ def test_a_request_over_the_kv_budget_is_too_large_and_one_that_fits_waits(base,
             second.start()
             first.join(120)
             second.join(120)
-            assert order == ["first", "second"] and engine.scheduler.last_batch <= 1
+            assert order == ["first", "second"] and engine.scheduler.kv.used == 0
     finally:
         handle.stop()
         engine.cpu_executor.shutdown()
         engine.scheduler.close()
+
+
+def test_an_engine_whose_pool_cannot_hold_one_model_length_sequence_does_not_start(base, tiny_checkpoint):
+    """As vLLM refuses to start: the pool (the budget less the KDA states) must hold one sequence
+    of --max-model-len; one block short, the engine names both flags."""
+    main = base.engine
+    kv = main.scheduler.kv
+    states = main.scheduler.max_num_seqs * SequenceCache.state_bytes(main.model.cfg)
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), max_model_len=64 * kv.pool.block_size,
+                          kv_cache_bytes=63 * kv.block_bytes + states)
+    with pytest.raises(ValueError, match=r"one sequence of the model length \(1,024 tokens\) needs 245,760 bytes"):
+        Engine(config, main.tokenizer, main.pool, main.model)
+    made = Engine(dataclasses.replace(config, kv_cache_bytes=64 * kv.block_bytes + states), main.tokenizer, main.pool,
+                  main.model)
+    assert made.scheduler.kv.max_tokens == 1024
+    made.cpu_executor.shutdown()
+    made.scheduler.close()
 
 
 def _complete_tokens(base) -> int:

@@ -1,8 +1,9 @@
 """The trunk's scheduler (service/engine/scheduler.py) on the tiny random trunk and a real scheduler
 thread: generations decode together and each gets the tokens it gets alone; a long prompt is
 prefilled in chunks while running streams go on; a cancelled sequence leaves the batch at the next
-step and its cache is freed; a generation whose cache would exceed the KV budget waits, then runs;
-n sequences fork one prefilled prompt."""
+step and its blocks go back; under a KV pool too small for them all, sequences are preempted and
+resumed and each still gets its tokens (greedy and seeded), with no deadlock when every running
+sequence wants a block at once; n sequences copy one prefilled prompt."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from service.engine.inputs import Prompt
 from service.engine.loading import decodable_ids
 from service.engine.scheduler import Generation, GenerationResult, Logprobs, Scheduler, chunk_cost, prefill_chunk
 from service.errors import BadRequest, TooLarge, Unavailable
+from service.metrics import Metrics
 from textcore.config import tiny
 from textcore.generate import SamplingError, SamplingParams, generate
-from textcore.model import KimiLinearForCausalLM
+from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.stops import TEXT_EVENTS
 
 pytestmark = [pytest.mark.usefixtures("torch_one_thread"), pytest.mark.timeout(300)]
@@ -123,7 +125,7 @@ def test_generations_decode_together_and_each_gets_its_tokens_alone(scheduler_of
         (result,) = collector.results()
         assert (result.finish_reason, result.completion_tokens) == (alone.finish_reason, len(alone.tokens))
         assert result.prompt_tokens == len(_prompt(tiny_tokenizer, text).ids) and result.image_tokens == 0
-    assert scheduler.idle and scheduler.reserved_bytes == 0
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "every block back")
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_streams_run(scheduler_of, model, tiny_tokenizer, allowed):
@@ -200,7 +202,8 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(scheduler_of, ti
     seen = len(b.tokens())
     _wait_for(lambda: len(b.tokens()) >= seen + 2, "the other sequence's next tokens")
     assert scheduler.last_batch == 1 and scheduler.running == 1
-    assert scheduler.reserved_bytes == scheduler.worst_case_bytes(len(job_b.prompt.ids), job_b.params)
+    (other,) = scheduler._running
+    assert scheduler.kv.used == len(other.cache.table.blocks)  # a's blocks are back in the pool
     gc.collect()
     assert cache() is None  # freed, not just forgotten
     stopped_at = len(a.tokens())
@@ -208,19 +211,78 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(scheduler_of, ti
     assert len(a.tokens()) == stopped_at and not a.ended.is_set()  # a cancelled job hears nothing more
 
 
-def test_a_generation_over_the_budget_waits_then_runs(scheduler_of, tiny_tokenizer):
-    prompt = _prompt(tiny_tokenizer, TEXTS[1])
-    probe = scheduler_of()
-    one = probe.worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=40))
-    scheduler = scheduler_of(kv_cache_bytes=one + one // 2)  # room for one such generation, not two
-    _, first = _submit(scheduler, prompt, max_new_tokens=40, ignore_eos=True)
-    _, second = _submit(scheduler, prompt, max_new_tokens=40, ignore_eos=True)
-    first.wait()
-    second.wait()
-    end_of_first = max(clock for clock, _, _ in first.items)
-    assert min(second.token_clocks()) > end_of_first  # it waited for the first one's cache to be freed
-    assert second.tokens() == first.tokens() and len(second.tokens()) == 40
-    assert scheduler.last_batch <= 1 and scheduler.reserved_bytes == 0
+def _blocks_budget(scheduler_of, blocks: int, max_num_seqs: int = 8) -> int:
+    """The KV budget of a pool of `blocks` blocks beside `max_num_seqs` KDA states."""
+    return blocks * scheduler_of().kv.block_bytes + max_num_seqs * SequenceCache.state_bytes(tiny())
+
+
+def _run_all(scheduler, prompts, params) -> list[Collector]:
+    collectors = [_submit(scheduler, prompt, **p)[1] for prompt, p in zip(prompts, params, strict=True)]
+    return [c.wait() for c in collectors]
+
+
+@pytest.mark.parametrize("sampling", [
+    {"ignore_eos": True},
+    {"temperature": 1.0, "top_k": 20, "presence_penalty": 0.5, "min_tokens": 30, "seed": 7},
+    {"temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True},
+], ids=["greedy", "seeded", "seeded-n2"])
+def test_preempted_sequences_get_the_tokens_of_an_unconstrained_run(scheduler_of, tiny_tokenizer, sampling):
+    """Four 40-token replies (or four pairs, n = 2) under a pool of 9 blocks (each sequence ends at 4
+    or 5): sequences are preempted and prefilled again, and every reply (the seeded ones through
+    their generators, the penalties and min_tokens, kept across) equals the one it gets with room
+    for all."""
+    prompts = [_prompt(tiny_tokenizer, text) for text in TEXTS]
+    params = [{"max_new_tokens": 40, **sampling, **({"seed": sampling["seed"] + i} if "seed" in sampling else {})}
+              for i in range(len(prompts))]
+    roomy = _run_all(scheduler_of(), prompts, params)
+    metrics = Metrics()
+    tight = scheduler_of(kv_cache_bytes=_blocks_budget(scheduler_of, 9), metrics=metrics)
+    cramped = _run_all(tight, prompts, params)
+    assert tight.preemptions >= 2, tight.preemptions
+    for free, squeezed in zip(roomy, cramped, strict=True):
+        for index in range(sampling.get("n", 1)):
+            assert squeezed.tokens(index) == free.tokens(index) and len(free.tokens(index)) > 0
+        assert [r.completion_tokens for r in squeezed.results()] == [r.completion_tokens for r in free.results()]
+    _wait_for(lambda: tight.idle and tight.kv.used == 0, "every block back")
+
+    def metric(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    assert metric("kimi_vision_kv_cache_preemptions_total") == tight.preemptions
+    assert metric("kimi_vision_kv_cache_blocks_total") == 9
+    _wait_for(lambda: metric("kimi_vision_kv_cache_blocks_used") == 0, "the gauge at the step's end")
+    assert metric("kimi_vision_trunk_step_seconds_count") > 40  # a step per token at least
+
+
+def test_no_deadlock_when_every_running_sequence_wants_a_block(scheduler_of, tiny_tokenizer):
+    """Prompts of one block each, admitted until one block is left (the watermark): after their
+    first tokens all four need a second block in the same step, and the pool has one. The latest
+    admitted give theirs up in turn; every reply finishes, each the one it gets alone."""
+    prompt = Prompt([163584, *tiny_tokenizer.encode(TEXTS[3])], [], thinking=False)
+    prompt = Prompt(prompt.ids[:16] + [prompt.ids[1]] * (16 - len(prompt.ids)), [], thinking=False)
+    params = [{"max_new_tokens": 20, "ignore_eos": True}] * 4
+    alone = _run_all(scheduler_of(), [prompt], params[:1])[0].tokens()
+    scheduler = scheduler_of(kv_cache_bytes=_blocks_budget(scheduler_of, 5))
+    done = _run_all(scheduler, [prompt] * 4, params)
+    assert scheduler.preemptions >= 3
+    assert all(c.tokens() == alone for c in done)
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "every block back")
+
+
+def test_finished_cancelled_and_preempted_sequences_return_their_blocks(scheduler_of, tiny_tokenizer):
+    """Blocks in use follow the tokens held: a long reply holds a block per 16 tokens (and the
+    pool's storage about that much); a cancelled one gives them back at the next step, finished
+    ones at once."""
+    scheduler = scheduler_of()
+    prompt = _prompt(tiny_tokenizer, TEXTS[0])
+    job, long = _submit(scheduler, prompt, max_new_tokens=100_000, ignore_eos=True)
+    _wait_for(lambda: len(long.tokens()) >= 40, "40 tokens")
+    assert scheduler.kv.used >= scheduler.kv.blocks_for(len(prompt.ids) + 40 - 1)
+    # on the CPU the pool's storage follows the blocks taken (doubling), not the 1 GiB budget
+    assert scheduler.kv.allocated_bytes <= 2 * scheduler.kv.used * scheduler.kv.block_bytes + (1 << 20)
+    _run_all(scheduler, [prompt] * 3, [{"max_new_tokens": 5}] * 3)
+    job.cancelled.set()
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "every block back")
 
 
 def test_max_num_seqs_bounds_the_batch(scheduler_of, tiny_tokenizer):
@@ -254,34 +316,39 @@ def test_stop_strings_end_a_reply_inside_the_batch(scheduler_of, tiny_tokenizer)
     text = "".join(item.text for _, _, item in free.wait().items if isinstance(item, TEXT_EVENTS))
     assert len(text) > 6, text
     stop = text[3:5]
-    _, stopped = _submit(scheduler, prompt, max_new_tokens=30, ignore_eos=True, skip_special_tokens=False,
+    _, stopped = _submit(scheduler, prompt, max_new_tokens=100_000, ignore_eos=True, skip_special_tokens=False,
                          stop=(stop,))
     reply = "".join(item.text for _, _, item in stopped.wait().items if isinstance(item, TEXT_EVENTS))
     assert reply == text[:text.index(stop)]
     (result,) = stopped.results()
     assert result.finish_reason == "stop" and result.completion_tokens < 30
     assert stopped.tokens() == free.tokens()[:result.completion_tokens]
+    # found on the output thread: the trunk drops the sequence at its next step, not 100,000 tokens later
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "the stopped sequence's blocks back")
 
 
 def test_a_job_that_could_never_run_is_refused_by_the_checks(scheduler_of, tiny_tokenizer):
-    """More sequences than decode together, a worst case over the whole KV budget, a token id
-    outside the vocabulary: each refused by the checks a request passes when it is prepared
-    (`check_sequences`, then `check` once the prompt is counted), with its own error, never queued
-    (it would wait forever, or fail the step of every job); the scheduler goes on serving."""
+    """More sequences than decode together, a sequence longer than the whole KV pool, more prompts
+    than it holds, a token id outside the vocabulary: each refused by the checks a request passes
+    when it is prepared (`check_sequences`, then `check` once the prompt is counted), with its own
+    error, never queued (it would wait forever, or fail the step of every job); the scheduler goes
+    on serving."""
     prompt = _prompt(tiny_tokenizer, TEXTS[0])
-    one = scheduler_of().worst_case_bytes(len(prompt.ids), SamplingParams(max_new_tokens=8))
-    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=one)
+    scheduler = scheduler_of(max_num_seqs=2, kv_cache_bytes=_blocks_budget(scheduler_of, 1, max_num_seqs=2))
+    fits = 16 - len(prompt.ids)  # one 16-token block: the prompt and this many tokens
     for params, error, words in (({"n": 3}, BadRequest, "n 3 is above this server's --max-num-seqs 2"),
-                                 ({"max_new_tokens": 9}, TooLarge, "worst-case KV cache"),
+                                 ({"max_new_tokens": fits + 1}, TooLarge, "needs 2 KV cache blocks of 16 tokens"),
+                                 ({"n": 2}, TooLarge, "over the server's 1 (--kv-cache-memory-gb)"),
                                  ({"logit_bias": {200_000: 1.0}}, SamplingError,
                                   "logit_bias names token 200000, outside the vocabulary [0, 163840)")):
-        sampling = SamplingParams(**{"max_new_tokens": 8, **params})
+        sampling = SamplingParams(**{"max_new_tokens": fits, **params})
         with pytest.raises(error, match=re.escape(words)):
             scheduler.check_sequences(sampling)
             scheduler.check(len(prompt.ids), sampling)
         assert scheduler.idle
-    _, fits = _submit(scheduler, prompt, max_new_tokens=8, ignore_eos=True)
-    assert len(fits.wait().tokens()) == 8 and scheduler.reserved_bytes == 0
+    _, ok = _submit(scheduler, prompt, max_new_tokens=fits, ignore_eos=True)
+    assert len(ok.wait().tokens()) == fits
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "every block back")
 
 
 class FailingEmit(Collector):
@@ -297,9 +364,12 @@ class FailingEmit(Collector):
         super().__call__(item)
 
 
-def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler_of, tiny_tokenizer):
+def test_a_failing_caller_ends_its_job_and_no_other(scheduler_of, tiny_tokenizer):
+    """A caller whose emit raises (on the output thread) ends its own job with that error; its
+    sequence leaves the batch at the next step, and the job running beside it and the one waiting
+    run to their end."""
     scheduler = scheduler_of(max_num_seqs=2)
-    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=2000, ignore_eos=True)
+    _, running = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[0]), max_new_tokens=300, ignore_eos=True)
     failing = FailingEmit()
     params = SamplingParams(max_new_tokens=2000, ignore_eos=True, logprobs=True)
     scheduler.submit(Generation(_prompt(tiny_tokenizer, TEXTS[1]), [], params, failing))
@@ -307,10 +377,10 @@ def test_a_failed_step_ends_the_admitted_jobs_and_the_waiting_ones_run(scheduler
     _, waiting = _submit(scheduler, _prompt(tiny_tokenizer, TEXTS[2]), max_new_tokens=6, ignore_eos=True)
     assert scheduler.running == 2 and not waiting.items  # no room: it waits
     failing.fail.set()
-    assert failing.ended.wait(60) and running.ended.wait(60)
-    assert str(failing.error) == str(running.error) == "the caller's emit failed"  # the step's jobs
-    assert len(waiting.wait().tokens()) == 6  # not failed for another job's error: it ran
-    assert scheduler.idle and scheduler.reserved_bytes == 0
+    assert failing.ended.wait(60) and str(failing.error) == "the caller's emit failed"
+    assert len(running.wait().tokens()) == 300
+    assert len(waiting.wait().tokens()) == 6  # it took the failed job's place
+    _wait_for(lambda: scheduler.idle and scheduler.kv.used == 0, "every block back")
 
 
 def test_closing_ends_every_open_job_as_unavailable_and_refuses_new_ones(scheduler_of, tiny_tokenizer):

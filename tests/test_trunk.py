@@ -2,6 +2,7 @@
 memory-linear prefill attention, fp8 cache, router, SiTU, MoE
 grouping, Attention Residuals, checkpoint round trips (multimodal, text-only, MXFP4)."""
 
+import itertools
 import logging
 
 import pytest
@@ -67,7 +68,8 @@ def test_incremental_decode_matches_full_forward(model, ids, full_logits, prefil
 def test_sequences_of_different_lengths_decode_together(model, ids, full_logits):
     """Each row of a batch continues its own sequence: two caches of different lengths (prefilled
     alone, one in two chunks) step together and each gets the logits of its whole sequence alone."""
-    first, second = model.new_sequence(), model.new_sequence(capacity=4)  # the second outgrows its room
+    pool = model.new_pool()
+    first, second = model.new_sequence(pool), model.new_sequence(pool)  # the second's blocks come after the first's
     model(ids[:1, :7], cache=TrunkCache([first]))
     model(ids[1:, :2], cache=TrunkCache([second]))
     model(ids[1:, 2:4], cache=TrunkCache([second]))
@@ -78,10 +80,114 @@ def test_sequences_of_different_lengths_decode_together(model, ids, full_logits)
     step = model(torch.stack([ids[0, 8:9], ids[1, 5:6]]), cache=batch, last_only=True)
     torch.testing.assert_close(step[1], full_logits[1, 5], atol=1e-4, rtol=0)
     assert (first.length, second.length) == (9, 6)
-    fork = second.fork()  # a copy continues like the original
+    fork = model.new_sequence(pool)
+    fork.copy_from(second)  # a copy, in blocks of its own, continues like the original
     a, b = (model(ids[1:, 6:7], cache=TrunkCache([c]), last_only=True) for c in (second, fork))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(a[0], full_logits[1, 6], atol=1e-4, rtol=0)
+
+
+class ContiguousLatents:
+    """The reference a block table is held to: one sequence's latents in one growing buffer."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def append(self, latent: torch.Tensor) -> None:
+        self.rows.append(latent.float())
+
+    def latents(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+def test_block_table_attention_equals_the_contiguous_cache(model):
+    """Three sequences in one pool of 4-token blocks, their blocks interleaved (they grow in turn,
+    one partly filled block each): every decode step's gathered keys equal each sequence's latents
+    laid end to end, exactly, and are finite past each length (masked there); the layer's output
+    at every step equals the whole sequence attended at once (no cache: the contiguous keys) within
+    fp32 noise."""
+    cfg = model.cfg
+    layer = model.model.layers[2].self_attn
+    dims = layer.kv_lora_rank + layer.rope
+    pool = mla.LatentPool(1, dims, torch.float32, block_size=4)
+    caches = [mla.MLACache(mla.BlockTable(pool), 0) for _ in range(3)]
+    refs = [ContiguousLatents() for _ in caches]
+    gen = torch.Generator().manual_seed(9)
+    whole = [torch.randn(1, n, cfg.hidden_size, generator=gen) for n in (13, 6, 9)]
+    prefilled = (5, 2, 3)
+    outs: list[list[torch.Tensor]] = [[] for _ in caches]
+
+    def latent_of(x):
+        c, k_rot = layer.kv_a_proj_with_mqa(x).split([layer.kv_lora_rank, layer.rope], -1)
+        return torch.cat([layer.kv_a_layernorm(c), k_rot], -1)[0]
+
+    with torch.no_grad():
+        for b, (cache, ref, x, n) in enumerate(zip(caches, refs, whole, prefilled, strict=True)):
+            outs[b].append(layer(x[:, :n], Segments([n], [0], "cpu"), [cache]))
+            ref.append(latent_of(x[:, :n]))
+        for t in range(max(x.shape[1] for x in whole)):
+            going = [b for b, (x, n) in enumerate(zip(whole, prefilled, strict=True)) if n + t < x.shape[1]]
+            if len(going) < 2:
+                break
+            rows = torch.cat([whole[b][:, prefilled[b] + t:prefilled[b] + t + 1] for b in going], 1)
+            step = layer(rows, Segments([1] * len(going), [caches[b].length for b in going], "cpu"),
+                         [caches[b] for b in going])
+            latents = latent_of(rows)  # as the layer computes them: the step's rows together
+            for i, b in enumerate(going):
+                outs[b].append(step[:, i:i + 1])
+                refs[b].append(latents[i:i + 1])
+            stacked = mla._stack_right_padded([caches[b] for b in going])
+            for i, b in enumerate(going):
+                expected = refs[b].latents()
+                assert torch.equal(stacked[i, :len(expected)], expected)
+                assert torch.isfinite(stacked[i, len(expected):]).all()  # masked by the attention
+        assert len({tuple(c.table.blocks) for c in caches}) == 3
+        assert sorted(sum((c.table.blocks for c in caches), [])) == list(range(pool.num_blocks))
+        assert any(b != a + 1 for c in caches for a, b in itertools.pairwise(c.table.blocks))  # interleaved
+        for b, (cache, x) in enumerate(zip(caches, whole, strict=True)):
+            done = torch.cat(outs[b], 1)
+            contiguous = layer(x[:, :done.shape[1]], Segments([done.shape[1]], None, "cpu"))
+            torch.testing.assert_close(done, contiguous, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.latents(torch.float32), refs[b].latents(), atol=0, rtol=0)
+
+
+def test_a_bounded_pool_grows_with_its_blocks_up_to_its_bound():
+    """Without preallocate, the storage grows as blocks are taken (doubling, never past the
+    bound); past the bound, OutOfBlocks; with preallocate, the bound from the start."""
+    pool = mla.LatentPool(2, 3, torch.float32, num_blocks=10, block_size=4)
+    assert (pool.allocated, pool.num_free, pool.allocated_bytes) == (0, 10, 0)
+    first = pool.allocate(3)
+    assert (pool.allocated, pool.num_free) == (3, 7)
+    pool.allocate(4)
+    assert (pool.allocated, pool.num_free) == (7, 3)  # what it needs, at least double
+    pool.allocate(3)
+    assert (pool.allocated, pool.num_free) == (10, 0)  # 14, held to the bound
+    with pytest.raises(mla.OutOfBlocks):
+        pool.allocate(1)
+    pool.free(first)
+    assert pool.allocate(3) == first and pool.allocated_bytes == 10 * 2 * 4 * 3 * 4
+    whole = mla.LatentPool(2, 3, torch.float32, num_blocks=10, block_size=4, preallocate=True)
+    assert (whole.allocated, whole.num_free) == (10, 10)
+
+
+def test_a_table_that_changes_is_gathered_anew():
+    """The gather's tables are made once a step and kept while the tables are unchanged: a table
+    released and refilled with as many blocks (others now) is read from its new blocks."""
+    pool = mla.LatentPool(1, 3, torch.float32, block_size=2)
+    tables = [mla.BlockTable(pool) for _ in range(3)]
+    a, b = (mla.MLACache(t, 0) for t in tables[:2])
+    a.append(torch.ones(3, 3))
+    b.append(torch.full((2, 3), 2.0))
+    assert torch.equal(mla._stack_right_padded([a, b])[0, :3], torch.ones(3, 3))
+    blocker = mla.MLACache(tables[2], 0)
+    blocker.append(torch.zeros(2, 3))
+    old = list(a.table.blocks)
+    a.table.release()
+    pool.free([blocker.table.blocks.pop()])  # freed after a's: a takes it first this time
+    a.length = 0
+    a.append(torch.full((3, 3), 5.0))
+    assert a.table.blocks != old and len(a.table.blocks) == len(old)
+    assert torch.equal(mla._stack_right_padded([a, b])[0, :3], torch.full((3, 3), 5.0))
 
 
 def test_one_step_runs_decode_tokens_and_prompt_chunks_of_several_sequences(model, ids, full_logits):
@@ -126,7 +232,7 @@ def test_prefill_attention_is_memory_linear_and_equals_the_materialised_scores(m
         expected = materialised(x)
         torch.testing.assert_close(run(x, None), expected, atol=1e-5, rtol=1e-5)
         monkeypatch.setattr(mla, "QUERY_CHUNK", 64)
-        cache = mla.MLACache()
+        cache = mla.MLACache(mla.BlockTable(mla.LatentPool(1, layer.kv_lora_rank + layer.rope, x.dtype)), 0)
         chunks = [run(x[:, :130], cache), run(x[:, 130:131], cache), run(x[:, 131:], cache)]
         torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
@@ -202,7 +308,7 @@ def test_fp8_latent_cache_within_tolerance_and_warns_once(model, ids, caplog, mo
 
     steps = [run(x[:, :4])] + [run(x[:, t:t + 1]) for t in range(4, 9)]
     err = torch.linalg.norm(torch.cat(steps, 1) - exact) / torch.linalg.norm(exact)
-    assert entry[0].buffer.dtype == torch.float8_e4m3fn
+    assert entry[0].table.pool.storage.dtype == torch.float8_e4m3fn
     assert 0 < err <= 0.05
     # and the whole model runs on an fp8 cache
     assert torch.isfinite(model(ids, cache=model.new_cache(2, latent_dtype=torch.float8_e4m3fn))).all()

@@ -346,8 +346,9 @@ def generate(
         raise ValueError("params.max_new_tokens is None: resolve it from the prompt's length first")
     space = TokenSpace(model.cfg.vocab_size, allowed_ids, device)
     caches, samplers = [], []
+    pool = model.new_pool(latent_dtype=latent_cache_dtype)
     for p in tensors:
-        caches.append(model.new_sequence(len(p) + params.max_new_tokens, latent_cache_dtype))
+        caches.append(model.new_sequence(pool))
         samplers.append(Sampler(params, space, device, prompt_ids=p.tolist() if input_ids is not None else (),
                                 seed=params.seed))
     step_logits = model.step([p.to(device) for p in tensors], TrunkCache(caches), head_ids=space.ids)

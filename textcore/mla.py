@@ -7,10 +7,12 @@
     out = o_proj(attn * sigmoid(g_proj(x)))
 
 k_rot is one key shared by all heads and is never rotated (mla_use_nope). The cache holds only
-the per-token latent [c | k_rot] (kv_lora_rank + rope dims), one buffer per sequence. A prompt
-(T > 1) is attended in the expanded form through `scaled_dot_product_attention` (flash kernels on
-CPU and CUDA): a whole prompt in one causal call, a chunk that continues a cached prefix one block
-of QUERY_CHUNK queries at a time with that block's mask only. Memory grows linearly with the
+the per-token latent [c | k_rot] (kv_lora_rank + rope dims), in the fixed-size blocks of a
+`LatentPool`; each sequence names its blocks in a `BlockTable`, and attention reads a sequence's
+latents by gathering its blocks. A prompt (T > 1) is attended in the expanded form through
+`scaled_dot_product_attention` (flash kernels on CPU and CUDA): a whole prompt in one causal call,
+a chunk that continues a cached prefix one block of QUERY_CHUNK queries at a time with that
+block's mask only. Memory grows linearly with the
 context: no `[H, T, S]` scores, no `[T, S]` mask. On the CPU that attention, the trunk's one op
 of quadratic work, may take more torch threads than the rest (`GatedMLA.attention_threads`: the
 serving engine gives it the CPUs its encoder workers leave idle). A decode step (T == 1) uses the
@@ -23,6 +25,7 @@ length.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -40,6 +43,10 @@ FP8_SCALE = 1.0  # the checkpoint ships no KV scales (kv_cache_scheme null)
 _warned_fp8 = False
 # Queries of a chunk after a cached prefix attended at once: each block's mask is [QUERY_CHUNK, S]
 QUERY_CHUNK = 256
+# Tokens a block of the latent pool holds (vLLM's default): small enough that a sequence holds at
+# most one partly filled block, large enough that a gather moves whole runs of rows
+BLOCK_SIZE = 16
+_table_serials = itertools.count()  # BlockTable.key
 # Query-key scores (all heads) a prompt's attention must reach before it may run on more threads than
 # the rest of the trunk (`GatedMLA.attention_threads`): ~1 ms of work on one CPU thread, far more
 # than waking the others costs. The trunk's other ops are too small to gain from them.
@@ -54,68 +61,203 @@ def _warn_fp8_once() -> None:
                     "(kv_cache_scheme null), so values above %g saturate", FP8_SCALE, FP8_MAX)
 
 
-class MLACache:
-    """One sequence's latents in one MLA layer: a `[capacity, kv_lora_rank + rope]` buffer filled up
-    to `length`. The buffer is allocated by the first append, `capacity` rows (a caller that reserved
-    its worst case never reallocates) or what that append needs; more rows double it."""
+class OutOfBlocks(RuntimeError):
+    """A `LatentPool` at its `num_blocks` has fewer free blocks than a sequence asked for."""
 
-    def __init__(self, capacity: int = 0, dtype: torch.dtype | None = None):
-        if dtype not in (None, torch.float8_e4m3fn):
-            raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {dtype}")
-        self.fp8 = dtype == torch.float8_e4m3fn
+
+class LatentPool:
+    """The MLA latents of many sequences in fixed-size blocks: `storage` `[layers, blocks,
+    block_size, dims]`, one block id covering `block_size` tokens of every MLA layer, handed out by
+    `allocate` and returned by `free`. `num_blocks` bounds it (the scheduler's budget: `allocate`
+    raises `OutOfBlocks` past it; None: no bound, a sequence or batch of its own). It is allocated
+    whole at once with `preallocate` (a GPU's, as vLLM does: the memory is the server's from the
+    start), else it grows by doubling as blocks are taken (the storage copied), so the memory it
+    holds follows the tokens held: on a CPU, where every mapped byte counts against the host's
+    commit, a budget not yet needed is not taken."""
+
+    def __init__(self, layers: int, dims: int, dtype: torch.dtype, *, latent_dtype: torch.dtype | None = None,
+                 num_blocks: int | None = None, preallocate: bool = False, block_size: int = BLOCK_SIZE,
+                 device: torch.device | str = "cpu") -> None:
+        if latent_dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(f"MLA latent cache dtype must be the model dtype or float8_e4m3fn, not {latent_dtype}")
+        self.fp8 = latent_dtype == torch.float8_e4m3fn
         if self.fp8:
             _warn_fp8_once()
-        self.capacity = capacity
-        self.buffer: torch.Tensor | None = None
-        self.length = 0
+        self.block_size = block_size
+        self.limit = num_blocks
+        self.storage = torch.empty(layers, num_blocks if preallocate and num_blocks else 0, block_size, dims,
+                                   dtype=latent_dtype or dtype, device=device)
+        self._free = list(range(self.allocated - 1, -1, -1))  # popped from the end: lowest ids first
+        self._tables: tuple[tuple, torch.Tensor] | None = None  # `_stack_right_padded`'s, for every layer of a step
 
-    def append(self, latent: torch.Tensor) -> None:
-        """Store `latent` `[T, dims]` after the rows already held."""
-        stored = (latent.float() / FP8_SCALE).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) if self.fp8 else latent
-        end = self.length + latent.shape[0]
-        if self.buffer is None or end > self.buffer.shape[0]:
-            rows = max(end, self.capacity, 2 * (0 if self.buffer is None else self.buffer.shape[0]))
-            grown = stored.new_empty(rows, latent.shape[1])
-            if self.buffer is not None:
-                grown[:self.length] = self.buffer[:self.length]
-            self.buffer = grown
-        self.buffer[self.length:end] = stored
-        self.length = end
+    @property
+    def num_blocks(self) -> int:
+        """The blocks it may hold: its bound, or (without one) those it has."""
+        return self.allocated if self.limit is None else self.limit
 
-    def latents(self, dtype: torch.dtype) -> torch.Tensor:
-        """The rows held, `[length, dims]`, as read back from the cache, in `dtype`."""
-        held = self.buffer[:self.length]
-        return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
+    @property
+    def allocated(self) -> int:
+        """The blocks its storage has now."""
+        return self.storage.shape[1]
 
-    def read_into(self, out: torch.Tensor) -> None:
-        """Write the rows held, as read back from the cache, into `out` `[length, dims]` (fp32:
-        exactly `latents`' values, which fp8 and the model's dtype both hold)."""
-        out.copy_(self.buffer[:self.length])
+    @property
+    def allocated_bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + self.num_blocks - self.allocated
+
+    @property
+    def block_bytes(self) -> int:
+        """One block: `block_size` tokens' latents in every MLA layer."""
+        layers, _, size, dims = self.storage.shape
+        return layers * size * dims * self.storage.element_size()
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int]:
+        if self.limit is not None and count > self.num_free:
+            raise OutOfBlocks(f"{count} blocks asked of a pool with {self.num_free} free")
+        if count > len(self._free):
+            grown = max(2 * self.allocated, self.allocated + count - len(self._free))
+            self._grow(grown if self.limit is None else min(grown, self.limit))
+        taken = self._free[len(self._free) - count:][::-1]
+        del self._free[len(self._free) - count:]
+        if taken:  # rows a sequence has not written yet hold zeros, never the garbage of torch.empty
+            self.storage[:, torch.tensor(taken, device=self.storage.device)] = 0
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def _grow(self, blocks: int) -> None:
+        grown = self.storage.new_empty(self.storage.shape[0], blocks, *self.storage.shape[2:])
+        grown[:, :self.allocated] = self.storage
+        self._free = list(range(blocks - 1, self.allocated - 1, -1)) + self._free
+        self.storage = grown
+
+    def store(self, latent: torch.Tensor) -> torch.Tensor:
+        """`latent` as the storage holds it (fp8: scaled and saturated)."""
         if self.fp8:
-            out.mul_(FP8_SCALE)
+            return (latent.float() / FP8_SCALE).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return latent.to(self.storage.dtype)
 
-    def clone(self) -> MLACache:
-        copy = MLACache.__new__(MLACache)
-        copy.fp8, copy.capacity, copy.length = self.fp8, self.capacity, self.length
-        copy.buffer = None if self.buffer is None else self.buffer.clone()
-        return copy
+    def load(self, held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows back in `dtype`."""
+        return (held.float() * FP8_SCALE).to(dtype) if self.fp8 else held.to(dtype)
 
     @staticmethod
     def bytes_per_token(cfg, dtype: torch.dtype, latent_dtype: torch.dtype | None = None) -> int:
-        element = (latent_dtype or dtype).itemsize
-        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+        """One token's latents in one MLA layer."""
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (latent_dtype or dtype).itemsize
+
+
+class BlockTable:
+    """One sequence's blocks of a `LatentPool`, in order: token t lies in block `blocks[t // block_size]`
+    at row `t % block_size`, in every MLA layer."""
+
+    def __init__(self, pool: LatentPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        # which table, in which state: (a serial never reused, a count of its changes), what the
+        # tensors made from its blocks are keyed by
+        self.key = (next(_table_serials), 0)
+        self._tensor: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def reserve(self, tokens: int) -> None:
+        """Blocks for `tokens` tokens in all (`OutOfBlocks` from a pool at its bound without them)."""
+        short = self.pool.blocks_for(tokens) - len(self.blocks)
+        if short > 0:
+            self.blocks += self.pool.allocate(short)
+            self.key = (self.key[0], self.key[1] + 1)
+
+    def release(self) -> None:
+        self.pool.free(self.blocks)
+        self.blocks = []
+        self.key = (self.key[0], self.key[1] + 1)
+
+    def tensor(self) -> torch.Tensor:
+        """The block ids on the pool's device (made again only when the blocks changed)."""
+        if self._tensor is None or self._tensor[0] != self.key:
+            self._tensor = self.key, torch.tensor(self.blocks, dtype=torch.long, device=self.pool.storage.device)
+        return self._tensor[1]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Where tokens `start .. end` lie in a layer's storage viewed as `[blocks * block_size, dims]`."""
+        size = self.pool.block_size
+        positions = torch.arange(start, end, device=self.pool.storage.device)
+        return self.tensor()[positions // size] * size + positions % size
+
+
+class MLACache:
+    """One sequence's latents in one MLA layer (`slot` of the pool's layers): the first `length`
+    tokens of its `BlockTable`. Appending takes the blocks the new rows need (a scheduler reserved
+    them before the step; outside one, an unbounded pool hands them out here)."""
+
+    def __init__(self, table: BlockTable, slot: int) -> None:
+        self.table = table
+        self.slot = slot
+        self.length = 0
+
+    def _flat(self) -> torch.Tensor:
+        storage = self.table.pool.storage
+        return storage[self.slot].view(-1, storage.shape[-1])
+
+    def append(self, latent: torch.Tensor) -> None:
+        """Store `latent` `[T, dims]` after the rows already held."""
+        end = self.length + latent.shape[0]
+        self.table.reserve(end)
+        self._flat()[self.table.rows(self.length, end)] = self.table.pool.store(latent)
+        self.length = end
+
+    def latents(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows held, `[length, dims]`, as read back from the cache, in `dtype` (a gather of the
+        sequence's blocks)."""
+        pool = self.table.pool
+        held = pool.storage[self.slot][self.table.tensor()[:pool.blocks_for(self.length)]]
+        return pool.load(held.reshape(-1, held.shape[-1])[:self.length], dtype)
+
+
+def _append_rows(caches: list[MLACache], rows: torch.Tensor) -> None:
+    """One new row per cache (a decode step): one write for the caches of one pool."""
+    first = caches[0]
+    pool = first.table.pool
+    if any(c.table.pool is not pool or c.slot != first.slot for c in caches):
+        for cache, row in zip(caches, rows, strict=True):
+            cache.append(row[None])
+        return
+    for cache in caches:
+        cache.table.reserve(cache.length + 1)
+    size = pool.block_size
+    at = [c.table.blocks[c.length // size] * size + c.length % size for c in caches]
+    first._flat()[torch.tensor(at, device=rows.device)] = pool.store(rows)
+    for cache in caches:
+        cache.length += 1
 
 
 def _stack_right_padded(caches: list[MLACache]) -> torch.Tensor:
-    """`[B, longest, dims]` fp32: each cache's latents, zeros after each (one copy from the caches;
-    none for one cache that holds fp32)."""
+    """`[B, longest, dims]` fp32: each cache's latents; past each one's length, finite values the
+    caller masks (zeros, or rows of its own blocks: a block is zeroed when it is taken). For caches
+    of one pool, one gather of their blocks, by a table made once for every layer of the step."""
     if len(caches) == 1:
         return caches[0].latents(torch.float32)[None]
-    first = caches[0].buffer
-    out = first.new_zeros(len(caches), max(c.length for c in caches), first.shape[1], dtype=torch.float32)
-    for b, cache in enumerate(caches):
-        cache.read_into(out[b, :cache.length])
-    return out
+    first = caches[0]
+    pool = first.table.pool
+    longest = max(c.length for c in caches)
+    if any(c.table.pool is not pool or c.slot != first.slot for c in caches):
+        out = torch.zeros(len(caches), longest, pool.storage.shape[-1], device=pool.storage.device)
+        for b, cache in enumerate(caches):
+            out[b, :cache.length] = cache.latents(torch.float32)
+        return out
+    wide = pool.blocks_for(longest)
+    key = (wide, *(c.table.key for c in caches))
+    if pool._tables is None or pool._tables[0] != key:
+        rows = [c.table.blocks[:wide] + [c.table.blocks[0]] * (wide - len(c.table.blocks)) for c in caches]
+        pool._tables = key, torch.tensor(rows, dtype=torch.long, device=pool.storage.device)
+    held = pool.storage[first.slot][pool._tables[1]]  # [B, wide, block_size, dims]
+    return pool.load(held.reshape(len(caches), -1, held.shape[-1])[:, :longest], torch.float32)
 
 
 class GatedMLA(nn.Module):
@@ -157,8 +299,7 @@ class GatedMLA(nn.Module):
         if segments.singles:
             at = segments.single_positions
             mine = [caches[b] for b in segments.singles]
-            for cache, row in zip(mine, latent[at], strict=True):
-                cache.append(row[None])
+            _append_rows(mine, latent[at])
             keys = _stack_right_padded(mine)
             attn[0, at] = self._absorbed(q_nope[0, at][:, None], q_rope[0, at][:, None], keys, segments.single_starts,
                                          w_kv)[:, 0]

@@ -27,6 +27,7 @@ layout, none in a text-only directory), so `state_dict()` keys ARE the checkpoin
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 from textcore.attnres import AttnResStream
 from textcore.config import TextConfig
 from textcore.kda import KDACache, KimiDeltaAttention, RMSNorm, linear
-from textcore.mla import GatedMLA, MLACache
+from textcore.mla import BlockTable, GatedMLA, LatentPool, MLACache
 from textcore.moe import LatentMoE, Router, SiTUMLP
 from textcore.mxfp4 import MXFP4Linear, apply_quantization_config
 from textcore.segments import Segments
@@ -61,29 +62,46 @@ class Embedding(nn.Embedding):
 
 
 class SequenceCache:
-    """One sequence's decode state: per KDA layer its conv inputs and recurrent state, per MLA layer
-    its latents (room for `capacity` tokens, allocated by its first token). `length`: tokens seen."""
+    """One sequence's decode state: per KDA layer its conv inputs and recurrent state (fixed-size,
+    its own), per MLA layer its latents in the blocks of a `LatentPool` (`table`, shared by those
+    layers, grown as tokens arrive). `length`: tokens seen."""
 
-    def __init__(self, cfg: TextConfig, capacity: int = 0, latent_dtype: torch.dtype | None = None):
+    def __init__(self, cfg: TextConfig, pool: LatentPool):
+        self.table = BlockTable(pool)
+        slots = itertools.count()
         self.layers: list[KDACache | MLACache] = [
-            KDACache() if cfg.is_kda(i) else MLACache(capacity, latent_dtype) for i in range(cfg.num_hidden_layers)
+            KDACache() if cfg.is_kda(i) else MLACache(self.table, next(slots)) for i in range(cfg.num_hidden_layers)
         ]
         self.length = 0
 
-    def fork(self) -> SequenceCache:
-        """An independent copy (a second sequence continuing the same prompt)."""
-        copy = SequenceCache.__new__(SequenceCache)
-        copy.layers = [layer.clone() for layer in self.layers]
-        copy.length = self.length
-        return copy
+    def reserve(self, tokens: int) -> None:
+        """Blocks for `tokens` more tokens (`textcore.mla.OutOfBlocks` from a pool at its bound without them)."""
+        self.table.reserve(self.length + tokens)
+
+    def release(self) -> None:
+        """Return the blocks to the pool; the cache holds nothing after."""
+        self.table.release()
+        for i, layer in enumerate(self.layers):
+            self.layers[i] = KDACache() if isinstance(layer, KDACache) else MLACache(self.table, layer.slot)
+        self.length = 0
+
+    def copy_from(self, source: SequenceCache) -> None:
+        """Become a copy of `source` (of the same pool), into this cache's own blocks (taken if short)."""
+        assert self.length == 0 and source.table.pool is self.table.pool, "copy into a fresh cache of the same pool"
+        self.table.reserve(source.length)
+        pool, used = self.table.pool, self.table.pool.blocks_for(source.length)
+        pool.storage[:, self.table.tensor()[:used]] = pool.storage[:, source.table.tensor()[:used]]
+        for i, layer in enumerate(source.layers):
+            if isinstance(layer, KDACache):
+                self.layers[i] = layer.clone()
+            else:
+                self.layers[i].length = layer.length
+        self.length = source.length
 
     @staticmethod
-    def worst_case_bytes(cfg: TextConfig, tokens: int, dtype: torch.dtype,
-                         latent_dtype: torch.dtype | None = None) -> int:
-        """What a sequence of `tokens` tokens holds at most: fixed KDA states plus MLA latents per token."""
-        mla = cfg.num_hidden_layers - len(cfg.kda_layers)
-        return len(cfg.kda_layers) * KDACache.nbytes(cfg) + mla * tokens * MLACache.bytes_per_token(
-            cfg, dtype, latent_dtype)
+    def state_bytes(cfg: TextConfig) -> int:
+        """What a sequence holds outside the pool, whatever its length: its KDA states (fp32)."""
+        return len(cfg.kda_layers) * KDACache.nbytes(cfg)
 
 
 class TrunkCache:
@@ -192,14 +210,24 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {int(ids.min())}..{int(ids.max())}")
         return self.model.embed_tokens(ids)
 
-    def new_sequence(self, capacity: int = 0, latent_dtype: torch.dtype | None = None) -> SequenceCache:
-        """A fresh sequence's cache with room for `capacity` tokens (more grow it). latent_dtype
-        torch.float8_e4m3fn stores the MLA latents in fp8 (scale 1.0, warned once)."""
-        return SequenceCache(self.cfg, capacity, latent_dtype)
+    def new_pool(self, num_blocks: int | None = None, latent_dtype: torch.dtype | None = None, *,
+                 preallocate: bool = False) -> LatentPool:
+        """A pool for the MLA latents of many sequences: at most `num_blocks` blocks (None: no bound),
+        allocated whole at once with `preallocate`, else as they are taken (`LatentPool`).
+        latent_dtype torch.float8_e4m3fn stores them in fp8 (scale 1.0, warned once)."""
+        cfg = self.cfg
+        return LatentPool(len(cfg.full_attn_layers), cfg.kv_lora_rank + cfg.qk_rope_head_dim, self.dtype,
+                          latent_dtype=latent_dtype, num_blocks=num_blocks, preallocate=preallocate,
+                          device=self.device)
+
+    def new_sequence(self, pool: LatentPool | None = None, latent_dtype: torch.dtype | None = None) -> SequenceCache:
+        """A fresh sequence's cache, its latents in `pool` (None: a growing pool of its own)."""
+        return SequenceCache(self.cfg, pool or self.new_pool(latent_dtype=latent_dtype))
 
     def new_cache(self, batch: int, latent_dtype: torch.dtype | None = None) -> TrunkCache:
-        """A batch of `batch` fresh sequences."""
-        return TrunkCache([self.new_sequence(latent_dtype=latent_dtype) for _ in range(batch)])
+        """A batch of `batch` fresh sequences, sharing one growing pool."""
+        pool = self.new_pool(latent_dtype=latent_dtype)
+        return TrunkCache([self.new_sequence(pool) for _ in range(batch)])
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -121,12 +121,12 @@ class Engine:
             self.scheduler = Scheduler(model, tokenizer, max_num_seqs=config.max_num_seqs,
                                        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=budget,
                                        allowed_ids=decodable_ids(tokenizer, model.cfg.vocab_size), metrics=self.metrics)
-            longest = self.scheduler.sequence_bytes(max_model_len)
-            if longest > budget:  # as vLLM refuses to start: one sequence of the model length must fit
+            if max_model_len > self.scheduler.kv.max_tokens:  # as vLLM refuses to start: one such sequence must fit
                 self.scheduler.close()
                 raise ValueError(f"one sequence of the model length ({max_model_len:,} tokens) needs "
-                                 f"{longest:,} bytes of cache, over the KV cache budget of {budget:,} bytes: lower "
-                                 "--max-model-len or raise --kv-cache-memory-gb")
+                                 f"{self.scheduler.kv.blocks_for(max_model_len) * self.scheduler.kv.block_bytes:,} "
+                                 f"bytes of KV cache, over the budget of {budget:,} bytes: lower --max-model-len or "
+                                 "raise --kv-cache-memory-gb")
         self.max_model_len = max_model_len
         limits = RequestLimits(config.limits, config.max_images, config.max_request_pixels, max_model_len)
         self.preparer = Preparer(tokenizer, limits, self.fingerprint, self.metrics, self.scheduler)

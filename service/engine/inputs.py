@@ -12,9 +12,9 @@ Every face turns its wire form into these types at its edge (`MediaInput`, `Chat
    plan: sizes, token count, prompt) and its content key made; the request's pixels are bounded
    together; for a chat, the prompt is rendered and tokenized once, each media_pad expanded to its
    item's count (one `Prompt`, whatever the caller: generate, encode, count); `max_new_tokens` is
-   resolved against the model length and the request's worst-case cache checked against the KV
-   budget. The result, `Prepared`, is what the engine's calls start from: below it nothing is
-   checked again (the scheduler asserts).
+   resolved against the model length, and the request's prompts and longest sequence checked
+   against the KV cache pool (what could never be admitted or finished). The result, `Prepared`,
+   is what the engine's calls start from: below it nothing is checked again (the scheduler asserts).
 """
 
 from __future__ import annotations
