@@ -12,7 +12,7 @@ From a sequence's logits to its next token, in vLLM's order: logits only for the
 sampled (`TokenSpace`), the raw log-probabilities taken from them (`logprobs`); `min_tokens` (the
 stop tokens masked until that many tokens exist); `logit_bias` (added); the penalties (repetition
 over prompt and output tokens, then frequency and presence over output tokens); then greedy argmax,
-or temperature, top-k, top-p and a draw from the sequence's own generator.
+or temperature, min-p, top-k, top-p and a draw from the sequence's own generator.
 """
 
 from __future__ import annotations
@@ -68,12 +68,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    min_p: float = 0.0  # 0 = no min-p cut
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
+    spaces_between_special_tokens: bool = True  # a special token written as text is set apart by spaces
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             if not math.isfinite(getattr(self, name)):
                 raise SamplingError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -84,6 +87,8 @@ class SamplingParams:
             raise SamplingError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.temperature < GREEDY_BELOW:
@@ -230,13 +235,16 @@ class Sampler:
         return out
 
     def draw(self, logits: torch.Tensor) -> int:
-        """A column from processed `logits`: argmax at temperature 0, else top-k, then top-p, then a
-        draw from this sequence's generator."""
+        """A column from processed `logits`: argmax at temperature 0, else min-p, top-k, then top-p
+        (vLLM's order), then a draw from this sequence's generator."""
         p = self.params
         if p.temperature == 0:
             return int(logits.argmax())
         # (logits - max) / t stays finite for any t > 0; -inf / inf is the only NaN, and it is -inf
         scaled = ((logits - logits.max()) / p.temperature).nan_to_num(nan=float("-inf"))
+        if p.min_p:
+            # the max of `scaled` is 0, so a token's probability over the top one's is exp(scaled)
+            scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.shape[-1])).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
