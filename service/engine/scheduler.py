@@ -42,7 +42,7 @@ from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
 from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
 from textcore.model import KimiLinearForCausalLM, SequenceCache
-from textcore.parser import Event, StreamParser
+from textcore.parser import Event, output_parser
 from textcore.splice import splice_rows
 from textcore.stops import StopStrings
 from textcore.tokenizer import END_OF_MSG_ID, Tokenizer
@@ -138,6 +138,9 @@ class Generation:
     params: SamplingParams  # max_new_tokens resolved (`Preparer.prepare`)
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Called on the scheduler's thread as each token is sampled: (choice, whether it is an output
+    # token, as a stop token is not); the engine times and counts the tokens with it.
+    sampled: Callable[[int, bool], None] = lambda index, output: None
     # set by the scheduler
     sequence_bytes: int = 0  # one sequence's worst-case cache
     open: int = 0  # sequences still running
@@ -174,9 +177,11 @@ class _Sequence:
         self.index = index
         self.cache: SequenceCache | None = cache
         self.sampler = sampler
-        self.parser = StreamParser(tokenizer, thinking=job.prompt.thinking,
-                                   skip_special_tokens=job.params.skip_special_tokens)
-        self.stops = StopStrings(job.params.stop)
+        params = job.params
+        self.parser = output_parser(tokenizer, turn=job.prompt.turn, thinking=job.prompt.thinking,
+                                    skip_special_tokens=params.skip_special_tokens,
+                                    spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stops = StopStrings(params.stop, include=params.include_stop_str_in_output)
         # what a Logprobs item reads its tokens' text with (holding the tokenizer, not this sequence)
         self.token_bytes: Callable[[int], bytes] = lambda token_id: tokenizer.decode_bytes([token_id])
         self.last = -1
@@ -186,6 +191,7 @@ class _Sequence:
         """Take the sampled token: report it (logprobs, then the text it completes) and finish the
         sequence at a stop token, a stop string or its length."""
         reason = self.sampler.take(sample.token_id)
+        self.job.sampled(self.index, reason != "stop")
         if reason == "stop":  # a stop token is not part of the reply; <|end_of_msg|> ends the parser's turn
             events = self.parser.feed([END_OF_MSG_ID]) if sample.token_id == END_OF_MSG_ID else []
         else:
@@ -289,6 +295,14 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(sequences admitted: decoding or having their prompt prefilled, sequences waiting to be
+        admitted), a generation's n counting as n: what vLLM counts as running and waiting requests."""
+        with self._wake:
+            waiting = sum(job.params.n for job in self._waiting)
+        return len(self._running) + sum(p.job.params.n for p in self._prefilling), waiting
 
     def close(self) -> None:
         """Stop after the current step; generations still open (queued too) end `Unavailable`."""
