@@ -16,7 +16,10 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -36,6 +39,7 @@ TEXT = "Hey, cat."
 CHAIN = [*TEXT.encode(), MEDIA_PAD_ID, ord("!"), END_OF_MSG_ID]  # the tiny vocabulary: byte b is token b
 REPLY = TEXT + "!"  # the stray special is not text (skip_special_tokens, the default)
 TOKENS = len(CHAIN) - 1  # <|end_of_msg|> is not counted
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Say it<|sep|>"  # ends where the chain starts (control-token spellings in a prompt are ids)
 PROMPT_IDS = [*b"Say it", SEP_ID]
 MAX_MODEL_LEN = 64
@@ -239,8 +243,14 @@ def test_a_stream_whose_client_leaves_stops_the_generation(server, http):
 
 
 def test_tokenize_and_detokenize_as_vllm_and_transformers_read_them(server, http, vllm, tiny_checkpoint):
-    transformers = pytest.importorskip("transformers")
-    hugging_face = transformers.AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    """The tokenizer the docs name (`kimi-vision checkpoint-path`) loads with transformers, and its
+    ids are the server's."""
+    import transformers
+
+    printed = subprocess.run([sys.executable, "-m", "service.cli", "checkpoint-path"], capture_output=True, text=True,
+                             check=True, cwd=REPO_ROOT).stdout.strip()
+    assert Path(printed) == tiny_checkpoint.resolve()
+    hugging_face = transformers.AutoTokenizer.from_pretrained(printed)
     text = "Hello <|open|> wörld 12345"
     reply = http.post("/tokenize", json={"prompt": text, "add_special_tokens": True})
     assert reply.status_code == 200, reply.text
