@@ -1,5 +1,6 @@
-"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` only,
-from the server's event loop (`MetricsServer`; `render` is the scrape itself, for any HTTP server).
+"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` of
+the metrics port from the server's event loop (`MetricsServer`) and of the HTTP face (`render` is
+the scrape itself, for any HTTP server).
 
 A private registry (not the process-global default) lets several servers live in one process
 (tests, the demo) without clashing names; the process and platform collectors are registered in

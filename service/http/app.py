@@ -17,6 +17,12 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names (503 with admission's reason while there is no model:
   warming up, or failed to load).
+- `POST /v1/completions`: vLLM's completions (a prompt of text or token ids, or a list of them),
+  through the same pieces as the chat route: one admitted road (`admitted`), the same sampling
+  (`service.openai.request`), one reply path for whole and streamed answers (`_reply`); the
+  prompts of one request generate together. `POST /tokenize` and `/detokenize` in vLLM's shapes
+  (a chat's images counted from their headers); `GET /version`.
+- `GET` and `HEAD /metrics`: the registry the metrics port serves (`service.metrics.render`).
 
 A chat completion's cost is admitted before the work: it takes its admission place before its
 body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
@@ -29,7 +35,8 @@ access log says 499.
 Errors, every one (404, 405, 408, 413, 429, 431, ...), are rendered in one place
 (`service.http.errors`): OpenAI error objects here, SGLang's body on its routes, each with the
 status, type and connection handling its kind has in `service.errors.RULES`; 401 carries
-`WWW-Authenticate: Bearer`. Every
+`WWW-Authenticate: Bearer`. The bearer token guards the routes that do work for a caller (`/v1/*`,
+`/tokenize`, `/detokenize`: `TOKEN_PATHS`), not `/health`, `/version` or `/metrics`. Every
 response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on
 the request's access-log line and every other log line written while it is handled. Metric labels
 come from fixed sets (a method outside them is "other", a path no route serves "unmatched").
@@ -105,6 +112,9 @@ VERSION = importlib.metadata.version("kimi-vision")
 
 HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
+# Beside /v1/*, the routes that do work for a caller (a chat's images fetched and read): behind the
+# bearer token, as vLLM's api key guards only /v1 but an image fetch must not be open.
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
 
 
@@ -176,7 +186,7 @@ class HttpApp:
         if size > self.config.max_header_bytes:
             return error_response(failure_for(HeadersTooLarge(
                 f"the request line and headers hold {size:,} bytes; the limit is {self.config.max_header_bytes:,}")))
-        if self.token is None or not scope["path"].startswith("/v1/"):
+        if self.token is None or not (scope["path"].startswith("/v1/") or scope["path"] in TOKEN_PATHS):
             return None
         refused = self.token.refusal(headers.getlist("authorization"))
         if refused is None:
