@@ -6,12 +6,12 @@ a prompt of text or token ids (one, or a list), with the same sampling parameter
 code (`_generation`), and vLLM's completions extras (`echo`, `logprobs` as a count); vLLM's
 `/tokenize` and `/detokenize` bodies too. Messages pass to the K3 chat template nearly as they
 are (it reads OpenAI messages: string or part-list content, assistant `tool_calls`,
-`reasoning_content`, tool results); each
-media part becomes `{"type": "image"}` and a `MediaRef` saying where its bytes are: an `image_url`
-part by the one image-part rule of every face (`service.media.image_url`: `url` and `detail`), a
-`video_url` part as a video item (which the engine's check refuses, as K3's processor does). The
-bytes are fetched afterwards, by the face that knows what it may read (`service.fetch`). The
-sampling parameters become `SamplingParams` here, once.
+`reasoning_content`, tool results); each media part becomes `{"type": "image"}` and a `MediaRef`
+saying where its bytes are: an `image_url` part by the one image-part rule of every face
+(`service.media.image_url`: `url` and `detail`), a `video_url` part as a video item (which the
+engine's check refuses, as K3's processor does). The bytes are fetched afterwards, by the face
+that knows what it may read (`service.fetch`). The sampling parameters become `SamplingParams`
+here, once.
 
 Every parameter a caller may send is either honoured (OpenAI's sampling parameters and vLLM's
 extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_p`, `min_tokens`, `ignore_eos`,
