@@ -181,6 +181,9 @@ def test_the_sampling_extras_vllm_takes(http, vllm):
     assert kept == {REPLY}
     free = {_complete(http, vllm, temperature=1.0, seed=s, max_tokens=20)["choices"][0]["text"] for s in range(3)}
     assert free != {REPLY}
+    # allowed_token_ids: greedy among "a" and "b" (the chain's tokens all masked; <|end_of_msg|> too)
+    allowed = _complete(http, vllm, allowed_token_ids=[ord("a"), ord("b")], max_tokens=6)["choices"][0]
+    assert len(allowed["text"]) == 6 and set(allowed["text"]) <= {"a", "b"} and allowed["finish_reason"] == "length"
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say it."}],
                                                     "chat_template_kwargs": {"thinking": False}, "min_p": 0.5,
                                                     "temperature": 1.0, "stop": "y,",
@@ -225,6 +228,8 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(server, http, vllm)
      r"stream_options has unknown field\(s\) \['bogus_key'\]"),
     ({"prompt": PROMPT, "prompt_logprobs": 1}, 400, r"unsupported parameter\(s\) \['prompt_logprobs'\]"),
     ({"prompt": PROMPT, "min_p": -1}, 400, r"min_p must be in \[0, 1\]"),
+    ({"prompt": PROMPT, "allowed_token_ids": [160000]}, 400, "allowed_token_ids names no token this model's"),
+    ({"prompt": PROMPT, "allowed_token_ids": [10**6]}, 400, "allowed_token_ids names token 1000000, outside"),
     ([1, 2], 400, "the request body must be a JSON object"),
 ])
 def test_every_refusal_is_an_openai_error(http, body, status, words):

@@ -81,13 +81,14 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
                  repetition_penalty=1.2, min_tokens=2, ignore_eos=True, logit_bias={"17": 5, "3": -100.0},
                  stop_token_ids=[163585], skip_special_tokens=False, temperature=0.7, seed=9, min_p=0.1,
                  include_stop_str_in_output=True, spaces_between_special_tokens=False, use_beam_search=False,
-                 length_penalty=1.0, priority=0)
+                 length_penalty=1.0, priority=0, allowed_token_ids=[1, 2])
     params = parse_chat_request(body).params
     assert params == SamplingParams(max_new_tokens=None, stop=("END",), n=3, logprobs=True, top_logprobs=2,
                                     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2,
                                     ignore_eos=True, logit_bias={17: 5.0, 3: -100.0}, stop_token_ids=(163585,),
                                     skip_special_tokens=False, temperature=0.7, seed=9, min_p=0.1,
-                                    include_stop_str_in_output=True, spaces_between_special_tokens=False)
+                                    include_stop_str_in_output=True, spaces_between_special_tokens=False,
+                                    allowed_token_ids=(1, 2))
     assert parse_chat_request(_body(stop=["a", "b"])).params.stop == ("a", "b")
 
 
@@ -120,6 +121,8 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"chat_template_kwargs": {"secret": 1}}, ChatError, r"unknown chat option\(s\) \['secret'\]; allowed: "),
+    ({"allowed_token_ids": 3}, BadRequest, "allowed_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": []}, SamplingError, "allowed_token_ids must not be empty"),
     ({"min_p": 1.5}, SamplingError, r"^min_p must be in \[0, 1\], got 1.5$"),
     ({"min_p": "low"}, BadRequest, "min_p must be a number"),
     ({"include_stop_str_in_output": 1}, BadRequest, "include_stop_str_in_output must be true or false"),

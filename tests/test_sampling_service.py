@@ -167,12 +167,15 @@ def test_every_parameter_on_the_grpc_face(writer):
             "stop": ["t."], "include_stop_str_in_output": True, "temperature": 1.0, "min_p": 0.5}))
         spaced = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, sampling={
             "skip_special_tokens": False, "spaces_between_special_tokens": False}))
+        allowed = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, max_new_tokens=3,
+                                       sampling={"allowed_token_ids": [ord("z")]}))
         with pytest.raises(grpc.RpcError) as info:
             list(client.generate([user("Say it.")], sampling={"presence_penalty": 3.0}))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "presence_penalty must be in [-2, 2], got 3.0"
     assert "".join(e.content_delta for e in extras) == "Hey, cat."  # min_p keeps only the chain at temperature 1
     assert "".join(e.content_delta for e in spaced) == TEXT + "<|media_pad|>!"
+    assert "".join(e.content_delta for e in allowed) == "zzz"
     for index in (0, 1):
         mine = [e for e in events if e.index == index]
         assert "".join(e.content_delta for e in mine) == "Hey, cat"  # ".", the stray special, "!": ".!"

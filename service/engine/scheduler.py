@@ -40,7 +40,15 @@ from service.cpus import usable_memory
 from service.engine.inputs import Prompt
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
+from textcore.generate import (
+    Sample,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    TokenSpace,
+    decode_step,
+    sample_batch,
+)
 from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.parser import Event, output_parser
 from textcore.splice import splice_rows
@@ -267,7 +275,8 @@ class Scheduler:
     def check(self, prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse a generation that could never be admitted or started, once its prompt is counted
         (`Preparer.prepare`): a worst-case cache over the whole KV budget (`TooLarge`), token ids
-        outside the vocabulary (`SamplingError`). `params.max_new_tokens` is resolved."""
+        outside the vocabulary or only outside what can be sampled (`SamplingError`).
+        `params.max_new_tokens` is resolved."""
         assert params.max_new_tokens is not None, "resolve max_new_tokens from the prompt's length first"
         need = self.worst_case_bytes(prompt_tokens, params)
         if need > self.kv_cache_bytes:
@@ -276,6 +285,8 @@ class Scheduler:
                            f"budget of {self.kv_cache_bytes:,} bytes (--kv-cache-memory-gb); send a shorter "
                            "prompt or ask for fewer tokens")
         params.check_vocab(self.model.cfg.vocab_size)
+        if params.allowed_token_ids and not self._space.columns(params.allowed_token_ids):
+            raise SamplingError("allowed_token_ids names no token this model's tokenizer can write")
 
     def submit(self, job: Generation) -> None:
         """Queue a generation `check`ed when it was prepared (nothing is checked again here)."""

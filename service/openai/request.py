@@ -15,7 +15,7 @@ here, once.
 
 Every parameter a caller may send is either honoured (OpenAI's sampling parameters and vLLM's
 extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_p`, `min_tokens`, `ignore_eos`,
-`include_stop_str_in_output`, `spaces_between_special_tokens`, ...; `stream_options` with
+`allowed_token_ids`, `include_stop_str_in_output`, `spaces_between_special_tokens`, ...; `stream_options` with
 `include_usage` and `continuous_usage_stats`), accepted at its neutral value
 (`parallel_tool_calls: true`, `use_beam_search: false`), or refused with an error naming it:
 nothing is silently ignored. The parameters of vLLM's APIs that this trunk cannot honour
@@ -46,7 +46,8 @@ from vision.media import Modality
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGERS = ("top_k", "n", "top_logprobs", "min_tokens")
 FLAGS = ("logprobs", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
-SAMPLING = (*NUMBERS, *INTEGERS, *FLAGS, "seed", "stop", "stop_token_ids", "logit_bias")
+TOKEN_LISTS = ("stop_token_ids", "allowed_token_ids")
+SAMPLING = (*NUMBERS, *INTEGERS, *FLAGS, *TOKEN_LISTS, "seed", "stop", "logit_bias")
 # Accepted at these values only (what the engine does anyway); another value is refused. The
 # sampling ones are vLLM's (no beam search; every request has the one priority).
 NEUTRAL_SAMPLING: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
@@ -328,11 +329,12 @@ def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
         out["stop"] = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise BadRequest(f"stop_token_ids must be a list of token ids, got {ids!r}")
-        out["stop_token_ids"] = [_token_id(i, "stop_token_ids") for i in ids]
+    for key in TOKEN_LISTS:
+        ids = body.get(key)
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise BadRequest(f"{key} must be a list of token ids, got {ids!r}")
+            out[key] = [_token_id(i, key) for i in ids]
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, Mapping):

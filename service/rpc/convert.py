@@ -117,7 +117,7 @@ def sampling(request: pb.GenerateRequest) -> SamplingParams:
         skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True, min_p=s.min_p,
         include_stop_str_in_output=s.include_stop_str_in_output,
         spaces_between_special_tokens=(s.spaces_between_special_tokens if s.HasField("spaces_between_special_tokens")
-                                       else True))
+                                       else True), allowed_token_ids=tuple(s.allowed_token_ids) or None)
 
 
 def out_dtype(name: str) -> str:
