@@ -2,11 +2,12 @@
 `guidellm` (0.8), against a real `kimi-vision serve --http-port` on 127.0.0.1.
 
     python -m bench.tools [--aiperf PATH] [--guidellm PATH] [--requests 32] [--prompt-tokens 64]
-                          [--output-tokens 32] [--image 256]
+                          [--output-tokens 32] [--image 256] [--workloads text,image,completions]
 
-Each tool runs the chat route streaming, with text alone and with one PNG per request, at
-concurrency 1 and 8, against a server with `--max-num-seqs 1` (one sequence at a time) and one with
-the default (continuous batching), with the tokenizer the docs name (`kimi-vision checkpoint-path`).
+Each tool runs streaming, the chat route with text alone (`text`) and with one PNG per request
+(`image`), and `/v1/completions` with text (`completions`), at concurrency 1 and 8, against a
+server with `--max-num-seqs 1` (one sequence at a time) and one with the default (continuous
+batching), with the tokenizer the docs name (`kimi-vision checkpoint-path`).
 Every run must finish with zero failed requests, and the aiperf runs must find the server's
 metrics at aiperf's default URL (`<url>/metrics`); either failing stops the script. Reported per
 run: requests/s, TTFT p50 and inter-token latency p50 as the tool measured them.
@@ -30,7 +31,7 @@ from bench.serving import REPO_ROOT, Server
 
 TOOLS_HOME = Path.home() / ".cache" / "kimi-vision-bench"
 CONCURRENCY = (1, 8)
-WORKLOADS = ("text", "image")
+WORKLOADS = ("text", "image", "completions")
 MODEL = "moonshotai/Kimi-K3"  # the embedded checkpoint's served name
 
 
@@ -43,12 +44,14 @@ def aiperf(command: str, url: str, tokenizer: str, workload: str, concurrency: i
            out: Path) -> dict[str, float]:
     image = ["--image-width-mean", str(args.image), "--image-height-mean", str(args.image), "--image-batch-size", "1",
              "--image-format", "png"] if workload == "image" else []
-    run([command, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat", "--streaming",
+    # aiperf asks for continuous_usage_stats (--per-chunk-usage) on its chat endpoint only
+    endpoint = ["completions"] if workload == "completions" else ["chat", "--per-chunk-usage"]
+    run([command, "profile", "--model", MODEL, "--url", url, "--endpoint-type", *endpoint, "--streaming",
          "--tokenizer", tokenizer, "--concurrency", str(concurrency), "--request-count", str(args.requests),
          "--warmup-request-count", str(concurrency), "--prompt-input-tokens-mean", str(args.prompt_tokens),
          "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(args.output_tokens),
          "--prompt-output-tokens-stddev", "0", *image, "--extra-inputs", "ignore_eos:true",
-         "--use-server-token-count", "--per-chunk-usage", "--output-artifact-dir", str(out), "--no-auto-plot"])
+         "--use-server-token-count", "--output-artifact-dir", str(out), "--no-auto-plot"])
     report = json.loads((out / "profile_export_aiperf.json").read_text())
     metrics = json.loads((out / "server_metrics_export.json").read_text())["summary"]
     if report["error_summary"] or report["request_count"]["avg"] != args.requests:
@@ -64,7 +67,8 @@ def guidellm(command: str, url: str, tokenizer: str, workload: str, concurrency:
     image = ["--data", f"kind=synthetic_image,width={args.image},height={args.image},images_per_request=1,format=png"]
     report_path = out / "guidellm.json"
     out.mkdir(parents=True, exist_ok=True)
-    run([command, "run", "--backend", f"kind=openai_http,target={url},model={MODEL}",
+    route = "/v1/completions" if workload == "completions" else "/v1/chat/completions"
+    run([command, "run", "--backend", f"kind=openai_http,target={url},model={MODEL},request_format={route}",
          "--tokenizer", f"kind=hf_auto,model={tokenizer}",
          *(image if workload == "image" else []),
          "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
@@ -95,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--image", type=int, default=256, help="the side of each request's square PNG (default 256)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)} (default all)")
     args = parser.parse_args(argv)
+    workloads = args.workloads.split(",")
+    if not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads takes {', '.join(WORKLOADS)}")
     tokenizer = tokenizer_dir()
     rows: list[tuple[str, str, int, str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-tools-") as tmp:
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             server = Server([] if seqs == "default" else ["--max-num-seqs", seqs])
             try:
                 for tool, measure in (("aiperf", aiperf), ("guidellm", guidellm)):
-                    for workload in WORKLOADS:
+                    for workload in workloads:
                         for concurrency in CONCURRENCY:
                             out = Path(tmp) / f"{tool}-{seqs}-{workload}-{concurrency}"
                             figures = measure(getattr(args, tool), server.http, tokenizer, workload, concurrency,
@@ -112,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                             print(tool, workload, concurrency, seqs, figures, flush=True)
             finally:
                 server.stop()
-    print(f"\n{args.requests} requests a run, streaming chat, {args.prompt_tokens} prompt tokens (+ one "
+    print(f"\n{args.requests} requests a run, streaming, {args.prompt_tokens} prompt tokens (+ one "
           f"{args.image}x{args.image} PNG for image), {args.output_tokens} output tokens (ignore_eos); tokenizer "
           f"{tokenizer}\n")
     print("| tool | workload | concurrency | requests/s (seqs 1 / default) | TTFT p50 ms (1 / default) | "
           "ITL p50 ms (1 / default) |\n|---|---|---|---|---|---|")
     table = {(tool, workload, c, seqs): f for tool, workload, c, seqs, f in rows}
     for tool in ("aiperf", "guidellm"):
-        for workload in WORKLOADS:
+        for workload in workloads:
             for c in CONCURRENCY:
                 one, batched = table[(tool, workload, c, "1")], table[(tool, workload, c, "default")]
                 print(f"| {tool} | {workload} | {c} | {one['requests/s']:.2f} / {batched['requests/s']:.2f} "
