@@ -169,7 +169,13 @@ def test_echo_puts_the_prompt_before_the_text(sdk, http):
 
 def test_the_sampling_extras_vllm_takes(http, vllm):
     stop = _complete(http, vllm, stop="y,", include_stop_str_in_output=True, max_tokens=20)["choices"][0]
-    assert (stop["text"], stop["finish_reason"]) == ("Hey,", "stop")
+    assert (stop["text"], stop["finish_reason"], stop["stop_reason"]) == ("Hey,", "stop", "y,")
+    token = _complete(http, vllm, stop_token_ids=[ord(",")], max_tokens=20)["choices"][0]
+    assert (token["text"], token["stop_reason"]) == ("Hey", ord(","))
+    assert _complete(http, vllm, max_tokens=20)["choices"][0]["stop_reason"] is None  # <|end_of_msg|>
+    streamed = _events(http, "/v1/completions", {"prompt": PROMPT, "stop": "y,", "max_tokens": 20})
+    assert [c["stop_reason"] for e in streamed for c in e["choices"]][-1] == "y,"
+
     assert _complete(http, vllm, stop="y,", max_tokens=20)["choices"][0]["text"] == "He"
     spaced = _complete(http, vllm, skip_special_tokens=False, max_tokens=20)["choices"][0]["text"]
     assert spaced == TEXT + " <|media_pad|> !"  # vLLM's default spaces_between_special_tokens

@@ -100,6 +100,7 @@ class GenerationResult:
     prompt_tokens: int  # after expansion
     image_tokens: int
     completion_tokens: int
+    stop_reason: int | str | None = None  # what stopped it: a stop_token_ids id, a stop string (vLLM's)
 
 
 class TokenLogprob(NamedTuple):
@@ -200,6 +201,9 @@ class _Sequence:
         sequence at a stop token, a stop string or its length."""
         reason = self.sampler.take(sample.token_id)
         self.job.sampled(self.index, reason != "stop")
+        stop_reason: int | str | None = None
+        if reason == "stop" and sample.token_id != END_OF_MSG_ID:
+            stop_reason = sample.token_id
         if reason == "stop":  # a stop token is not part of the reply; <|end_of_msg|> ends the parser's turn
             events = self.parser.feed([END_OF_MSG_ID]) if sample.token_id == END_OF_MSG_ID else []
         else:
@@ -211,7 +215,7 @@ class _Sequence:
             events = self.parser.feed([sample.token_id])
         released = self.stops.feed(events, search=len(self.sampler.tokens) > self.job.params.min_tokens)
         if self.stops.matched is not None:
-            reason = "stop"
+            reason, stop_reason = "stop", self.stops.matched
         elif reason is not None:
             released += self.stops.feed(self.parser.close())
             released += self.stops.flush()
@@ -219,7 +223,8 @@ class _Sequence:
             self._emit(event)
         if reason is not None:
             prompt = self.job.prompt
-            self._emit(GenerationResult(reason, len(prompt.ids), prompt.media_tokens, len(self.sampler.tokens)))
+            self._emit(GenerationResult(reason, len(prompt.ids), prompt.media_tokens, len(self.sampler.tokens),
+                                        stop_reason))
             self.finished = True
 
     def _emit(self, item: Event | Logprobs | GenerationResult) -> None:

@@ -9,7 +9,8 @@ chunk's choice for each item); `error_body` the error object, with the status th
 gives. `CompletionReply` is the same for `/v1/completions` (`text_completion`): one choice per
 prompt and n (index `prompt * n + i`, as vLLM's), its text (after its prompt's with `echo`) and
 its logprobs in OpenAI's completions shape (`tokens`, `token_logprobs`, `top_logprobs` holding the
-chosen token and the most likely ones, `text_offset`). `TokenCounts` is a stream's usage so far
+chosen token and the most likely ones, `text_offset`), and vLLM's `stop_reason` (the stop string or
+stop token id that ended it; null for <|end_of_msg|> or the length). `TokenCounts` is a stream's usage so far
 (vLLM's `continuous_usage_stats`).
 """
 
@@ -218,12 +219,12 @@ class CompletionChoiceReply:
             logprobs = {key: values[len(values) - self._unsent:] for key, values in self.logprobs.items()}
             self._unsent = 0
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": None}
+                "stop_reason": self.result.stop_reason if finish_reason else None}
 
     def as_choice(self) -> dict[str, Any]:
         assert self.result is not None, "the choice has not finished"
         return {"index": self.index, "text": self.text, "logprobs": self.logprobs,
-                "finish_reason": self.result.finish_reason, "stop_reason": None}
+                "finish_reason": self.result.finish_reason, "stop_reason": self.result.stop_reason}
 
 
 @dataclass
