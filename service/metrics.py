@@ -1,5 +1,6 @@
-"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` only,
-from the server's event loop (`MetricsServer`; `render` is the scrape itself, for any HTTP server).
+"""Prometheus metrics for the service, kept in a registry of their own, served on `/metrics` of
+the metrics port from the server's event loop (`MetricsServer`) and of the HTTP face (`render` is
+the scrape itself, for any HTTP server).
 
 A private registry (not the process-global default) lets several servers live in one process
 (tests, the demo) without clashing names; the process and platform collectors are registered in
@@ -14,6 +15,13 @@ Names follow the conventions dashboards already know:
   `code`; `http_request_duration_seconds`).
 - The service's own under `kimi_vision_`: tokens, the embedding cache, admission (queue depth,
   requests in flight), encoder workers (ready, restarts) and images refused by reason.
+- The trunk's as vLLM 0.33.0 names them, with its labels (`model_name`: the first served name;
+  `engine`: "0", this server's one engine) and its default buckets, where the meaning is the
+  same, so a dashboard made for vLLM reads them: `vllm:num_requests_running` and
+  `vllm:num_requests_waiting` (sequences, a request's n counting as n, as vLLM's n child requests),
+  `vllm:kv_cache_usage_perc` (0..1), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+  `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+  `vllm:e2e_request_latency_seconds` (each from the generation's start in the engine).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import asyncio
 import gzip
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlparse
 
 import grpc
@@ -53,6 +61,15 @@ METRICS_PATH = "/metrics"
 # at most MAX_CONNECTIONS are open at once (one more closes the one idle longest, so a flood of idle
 # connections cannot keep a scraper out). A request head is at most MAX_HEAD_BYTES.
 IDLE_TIMEOUT_S = 10.0
+# vLLM 0.33.0's series (vllm/v1/metrics/loggers.py) and their default buckets (vllm/v1/metrics/buckets.py).
+VLLM_LABELS = ("model_name", "engine")
+VLLM_ENGINE = "0"
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                    80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
 MAX_CONNECTIONS = 128
 MAX_HEAD_BYTES = 16 << 10
 
@@ -90,6 +107,48 @@ class _EncoderWorkers:
             restarts.add_metric([str(w["index"]), w["device"]], w["restarts"])
         yield ready
         yield restarts
+
+
+class TrunkLoad(NamedTuple):
+    """The trunk's scheduler as a scrape reads it."""
+
+    running: int  # sequences decoding or having their prompt prefilled
+    waiting: int  # sequences not yet admitted
+    kv_cache_usage: float  # 0..1 of the KV budget
+
+
+class _Trunk:
+    """vLLM's scheduler gauges, read at scrape time from the engine (`Engine.trunk_load`); nothing
+    until an engine with a trunk is attached."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], TrunkLoad] | None = None
+        self.model_name = ""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        load = self.source()
+        for name, text, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", load.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load.waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", load.kv_cache_usage)):
+            gauge = GaugeMetricFamily(name, text, labels=VLLM_LABELS)
+            gauge.add_metric([self.model_name, VLLM_ENGINE], value)
+            yield gauge
+
+
+class VllmSeries(NamedTuple):
+    """vLLM's per-request series, bound to one model's labels (`Metrics.vllm_series`)."""
+
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
 
 
 class Metrics:
@@ -146,10 +205,30 @@ class Metrics:
                                       ["reason"], registry=r)
         self._workers = _EncoderWorkers()
         r.register(self._workers)
+        self._trunk = _Trunk()
+        r.register(self._trunk)
+        self._vllm = (
+            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS, registry=r),
+            Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS, registry=r),
+            Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      VLLM_LABELS, buckets=VLLM_TTFT_BUCKETS, registry=r),
+            Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                      VLLM_LABELS, buckets=VLLM_ITL_BUCKETS, registry=r),
+            Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                      VLLM_LABELS, buckets=VLLM_E2E_BUCKETS, registry=r))
 
     def read_workers(self, source: Callable[[], dict[str, Any]]) -> None:
         """Report the encoder workers of `source()` (an `Engine.health`) on every scrape."""
         self._workers.source = source
+
+    def vllm_series(self, model_name: str) -> VllmSeries:
+        """vLLM's per-request series, labelled for `model_name`."""
+        return VllmSeries(*(metric.labels(model_name, VLLM_ENGINE) for metric in self._vllm))
+
+    def read_trunk(self, model_name: str, source: Callable[[], TrunkLoad]) -> None:
+        """Report vLLM's scheduler gauges of `source()` (an `Engine.trunk_load`) on every scrape."""
+        self._trunk.model_name = model_name
+        self._trunk.source = source
 
     def grpc_start(self, grpc_type: str, service: str, method: str) -> None:
         self.grpc_started.labels(grpc_type, service, method).inc()

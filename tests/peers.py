@@ -11,8 +11,10 @@ sees a whole file or directory or none.
 - No network (the download cannot be made) skips it (`pytest.skip`), naming the URL.
 
 `sglang()` is SGLang 0.5.23's wheel, unpacked as a directory for `sys.path`; `vllm_epd_proxy()` is
-the EPD proxy script from vLLM 0.33.0's sdist; `torchvision()` is the torchvision wheel SGLang's
-imports need when none that imports is installed (see `sglang_importable`).
+the EPD proxy script from vLLM 0.33.0's sdist; `vllm_models()` the pydantic response models of its
+OpenAI server (completions, tokenize, detokenize), built from the sdist's own source at test time;
+`torchvision()` is the torchvision wheel SGLang's imports need when none that imports is installed
+(see `sglang_importable`).
 """
 
 from __future__ import annotations
@@ -228,3 +230,70 @@ def sglang_importable() -> Path:
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     return path
+
+
+# vLLM 0.33.0's response models and what they are made of, each in the sdist file that defines it,
+# in the order they must be defined. The protocol modules import all of vLLM (torch, its engine
+# config) for their request types; the response models need none of that, so each definition is
+# read out of its file's syntax tree and run alone, with the few names they use.
+VLLM_MODELS = (
+    ("vllm/utils/__init__.py", ("MASK_64_BITS", "random_uuid")),
+    ("vllm/logprobs.py", ("Logprob",)),
+    ("vllm/outputs.py", ("WeightVersionSpan",)),
+    ("vllm/entrypoints/serve/engine/protocol.py", ("_REMOVED_GUIDED_FIELDS", "OpenAIBaseModel",
+                                                   "PromptTokenUsageInfo", "CompletionTokenUsageInfo", "UsageInfo")),
+    ("vllm/entrypoints/generate/base/protocol.py", ("SpeculativeDecodingMetrics", "PerRequestMetrics")),
+    ("vllm/entrypoints/openai/completion/protocol.py", (
+        "CompletionLogProbs", "CompletionResponseChoice", "CompletionResponse", "CompletionResponseStreamChoice",
+        "CompletionStreamResponse")),
+    ("vllm/entrypoints/serve/tokenize/protocol.py", ("TokenizeResponse", "DetokenizeResponse")),
+)
+
+
+@cache
+def vllm_models() -> dict[str, type]:
+    """vLLM 0.33.0's response models by class name (`CompletionResponse`, `CompletionStreamResponse`,
+    `TokenizeResponse`, `DetokenizeResponse`, ...), defined from its sdist's source."""
+    import ast
+    import dataclasses
+    import logging
+    import time
+    import types
+    import typing
+    import uuid
+
+    import pydantic
+
+    prefix = f"vllm-{VLLM_VERSION}/"
+    name = f"vllm-{VLLM_VERSION}-{VLLM_SDIST.sha256[:12]}-protocol"
+
+    def fill(tmp: Path) -> None:
+        with tarfile.open(download(VLLM_SDIST), "r:gz") as sdist:
+            members = [sdist.getmember(prefix + path) for path, _ in VLLM_MODELS]
+            sdist.extractall(tmp, members=members, filter="data")
+
+    root = _unpacked(name, fill) / prefix
+    module = types.ModuleType("vllm_models")  # dataclasses and pydantic look their module up
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
+    namespace |= {
+        "time": time, "uuid": uuid, "dataclass": dataclasses.dataclass,
+        "field": dataclasses.field, "logger": logging.getLogger("vllm"),
+        **{key: getattr(typing, key) for key in ("Annotated", "Any", "ClassVar", "Literal", "TypeAlias")},
+        **{key: getattr(pydantic, key) for key in ("BaseModel", "ConfigDict", "Field", "model_validator")},
+    }
+    for path, names in VLLM_MODELS:
+        tree = ast.parse((root / path).read_text(), path)
+        found = {}
+        for node in tree.body:
+            targets = [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else [
+                getattr(node, "name", None)]
+            for target in targets:
+                if target in names:
+                    found[target] = node
+        missing = sorted(set(names) - set(found))
+        if missing:
+            pytest.fail(f"{path} of vLLM {VLLM_VERSION} defines no {missing}", pytrace=False)
+        for key in names:
+            exec(compile(ast.Module([found[key]], []), str(root / path), "exec"), namespace)  # noqa: S102
+    return {key: namespace[key] for _, names in VLLM_MODELS for key in names if isinstance(namespace[key], type)}

@@ -198,6 +198,17 @@ def test_sampling_is_seeded_and_filters():
     assert draws(SamplingParams(temperature=1.0, top_k=1), range(10)) == {3}
     # p(3) ~ 0.41 < 0.6, so 4 (~0.37) is kept; 2 comes after 0.6 is reached
     assert draws(SamplingParams(temperature=1.0, top_p=0.6), range(40)) == {3, 4}
+    # min_p keeps a token whose probability is at least min_p of the top one's, after temperature:
+    # p(i) / p(3) = e^(i - 3): 4 is e^-0.1 ~ 0.905, 2 is e^-1 ~ 0.37
+    assert draws(SamplingParams(temperature=1.0, min_p=0.5), range(60)) == {3, 4}
+    assert draws(SamplingParams(temperature=1.0, min_p=0.3), range(60)) == {2, 3, 4}
+    assert draws(SamplingParams(temperature=0.1, min_p=0.5), range(20)) == {3}  # e^(-0.1 / 0.1) ~ 0.37 < 0.5
+    assert draws(SamplingParams(allowed_token_ids=[0, 2]), [0]) == {2}  # greedy among the allowed
+    assert draws(SamplingParams(temperature=1.0, allowed_token_ids=[0, 1]), range(40)) == {0, 1}
+    with pytest.raises(SamplingError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(SamplingError, match="allowed_token_ids names token 9, outside the vocabulary"):
+        Sampler(SamplingParams(allowed_token_ids=[1, 9]), TokenSpace(5))
     assert draws(SamplingParams(), [0]) == {3}
     for extreme in (1e-40, 1e-5, 2.0):  # finite draws at any temperature in range (greedy below 1e-5)
         assert draws(SamplingParams(temperature=extreme), range(3)) <= {0, 1, 2, 3, 4}

@@ -445,6 +445,10 @@ def test_auth_is_in_the_taxonomy_on_every_face(server, tmp_path):
             assert reply.headers["www-authenticate"].startswith("Bearer")
             assert ErrorResponse.model_validate(reply.json()).error.type == "authentication_error"
         assert anonymous.get("/health").status_code == 200  # health needs no token
+        for path in ("/v1/completions", "/tokenize", "/detokenize"):  # every route that works for a caller
+            _error(anonymous.post(path, json={"prompt": "x"}), 401, "missing bearer token")
+        assert anonymous.get("/version").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200  # as on the metrics port: for the scraper
     with VisionClient(server.target, timeout=30) as plain, pytest.raises(grpc.RpcError) as info:
         plain.stub.GetModelInfo(pb.ModelInfoRequest(), metadata=(("x-request-id", "refused-rpc-1"),), timeout=30)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -248,12 +248,13 @@ def test_racing_writers_of_one_uuid_leave_one_complete_file(producer, export_dir
 
 
 # Every field of vLLM 0.33.0's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py),
-# each set to a value a vLLM client may send; an encoder samples nothing, so it takes them all.
+# each set to a value a vLLM client may send (stream_options only empty without stream, as vLLM
+# refuses); an encoder samples nothing, so it takes them all.
 EVERY_VLLM_PARAMETER = {
     "model": "moonshotai/Kimi-K3", "frequency_penalty": 0.5, "logit_bias": {"100": 2.0}, "logprobs": True,
     "top_logprobs": 3, "max_tokens": 512, "max_completion_tokens": 64, "n": 2, "presence_penalty": 0.3,
     "response_format": {"type": "text"}, "seed": 7, "stop": ["\n\n"], "stream": False,
-    "stream_options": {"include_usage": True}, "temperature": 0.7, "top_p": 0.9,
+    "stream_options": {}, "temperature": 0.7, "top_p": 0.9,
     "tools": [{"type": "function", "function": {"name": "look", "description": "Look closer.",
                                                 "parameters": {"type": "object", "properties": {}}}}],
     "tool_choice": "auto", "reasoning_effort": "low", "thinking_token_budget": 128, "include_reasoning": False,

@@ -22,7 +22,7 @@ from service.errors import BadRequest, Kind, TooLarge, Unavailable, Unsupported,
 from service.fetch import MediaFetcher, _CheckedBackend, refused_address
 from service.jsontext import MAX_JSON_DEPTH, parse_json
 from service.media import MediaRef, image_url
-from service.openai.request import TEMPLATE, parse_chat_request
+from service.openai.request import TEMPLATE, Streaming, parse_chat_request, parse_completion_request
 from service.openai.response import Reply, chunk, completion, error_body, logprobs_entry
 from service.rpc.convert import event
 from textcore import parser as p
@@ -47,7 +47,8 @@ def test_a_body_becomes_template_messages_image_parts_and_settings():
     content = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
     assert request.chat.messages == [{"role": "user", "content": content}]
     assert request.media == [MediaRef(DATA_URL, "messages[0].content[0]")]
-    assert (request.model, request.params.max_new_tokens, request.stream, request.include_usage) == ("m", 7, True, True)
+    assert (request.model, request.params.max_new_tokens) == ("m", 7)
+    assert request.streaming == Streaming(stream=True, include_usage=True, continuous_usage=False)
     assert request.params == SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3, n=1)
     assert request.chat.kwargs == {"reasoning_effort": "low", "thinking": False}
     item = request.media[0].input(PNG)
@@ -78,12 +79,16 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     JSON's string keys)."""
     body = _body(stop="END", n=3, logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
                  repetition_penalty=1.2, min_tokens=2, ignore_eos=True, logit_bias={"17": 5, "3": -100.0},
-                 stop_token_ids=[163585], skip_special_tokens=False, temperature=0.7, seed=9)
+                 stop_token_ids=[163585], skip_special_tokens=False, temperature=0.7, seed=9, min_p=0.1,
+                 include_stop_str_in_output=True, spaces_between_special_tokens=False, use_beam_search=False,
+                 length_penalty=1.0, priority=0, allowed_token_ids=[1, 2])
     params = parse_chat_request(body).params
     assert params == SamplingParams(max_new_tokens=None, stop=("END",), n=3, logprobs=True, top_logprobs=2,
                                     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2,
                                     ignore_eos=True, logit_bias={17: 5.0, 3: -100.0}, stop_token_ids=(163585,),
-                                    skip_special_tokens=False, temperature=0.7, seed=9)
+                                    skip_special_tokens=False, temperature=0.7, seed=9, min_p=0.1,
+                                    include_stop_str_in_output=True, spaces_between_special_tokens=False,
+                                    allowed_token_ids=(1, 2))
     assert parse_chat_request(_body(stop=["a", "b"])).params.stop == ("a", "b")
 
 
@@ -116,6 +121,21 @@ def test_the_sampling_parameters_of_openai_and_vllm_become_sampling_params():
     ({"seed": 2**64}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"seed": -1}, BadRequest, "seed must be an integer from 0 to 18446744073709551615"),
     ({"chat_template_kwargs": {"secret": 1}}, ChatError, r"unknown chat option\(s\) \['secret'\]; allowed: "),
+    ({"allowed_token_ids": 3}, BadRequest, "allowed_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": []}, SamplingError, "allowed_token_ids must not be empty"),
+    ({"min_p": 1.5}, SamplingError, r"^min_p must be in \[0, 1\], got 1.5$"),
+    ({"min_p": "low"}, BadRequest, "min_p must be a number"),
+    ({"include_stop_str_in_output": 1}, BadRequest, "include_stop_str_in_output must be true or false"),
+    ({"use_beam_search": True}, Unsupported, "use_beam_search=True is not supported"),
+    ({"priority": 3}, Unsupported, "priority=3 is not supported"),
+    ({"prompt_logprobs": 1}, Unsupported, r"unsupported parameter\(s\) \['prompt_logprobs'\]"),
+    ({"bad_words": ["x"]}, Unsupported, r"unsupported parameter\(s\) \['bad_words'\]"),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus_key": 1}}, BadRequest,
+     r"stream_options has unknown field\(s\) \['bogus_key'\]"),
+    ({"stream": True, "stream_options": [1]}, BadRequest, "stream_options must be an object"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, BadRequest,
+     "stream_options.include_usage must be true, false or null"),
+    ({"stream_options": {"include_usage": True}}, BadRequest, "stream_options can only be given with stream: true"),
 ])
 def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, words):
     with pytest.raises(error, match=words):
@@ -123,6 +143,48 @@ def test_every_parameter_is_honoured_neutral_or_refused_by_name(extra, error, wo
     assert parse_chat_request(_body(stop=[], n=1, logprobs=False, user="u")).params.max_new_tokens is None
     with pytest.raises(Unsupported, match=r"unsupported parameter\(s\) \['best_of'\]"):
         parse_chat_request(_body(best_of=2))
+
+
+@pytest.mark.parametrize(("options", "streaming"), [
+    ({"include_usage": True, "continuous_usage_stats": True}, Streaming(True, True, True)),
+    ({"include_usage": False, "continuous_usage_stats": True}, Streaming(True, False, False)),  # as vLLM: needs both
+    ({"include_usage": True}, Streaming(True, True, False)),
+    ({}, Streaming(True, False, False)),
+])
+def test_stream_options_are_checked_and_continuous_usage_needs_include_usage(options, streaming):
+    assert parse_chat_request(_body(stream=True, stream_options=options)).streaming == streaming
+    assert parse_completion_request({"prompt": "x", "stream": True, "stream_options": options}).streaming == streaming
+
+
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("Hi", ["Hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_a_completions_prompt_in_each_of_vllms_four_forms(prompt, prompts):
+    request = parse_completion_request({"prompt": prompt, "logprobs": 2, "min_p": 0.05, "echo": False})
+    assert request.prompts == prompts
+    assert request.params == SamplingParams(max_new_tokens=16, logprobs=True, top_logprobs=2, min_p=0.05)
+    assert parse_completion_request({"prompt": "x", "max_tokens": None}).params.max_new_tokens is None  # the room left
+
+
+@pytest.mark.parametrize(("extra", "error", "words"), [
+    ({"prompt": []}, BadRequest, "prompt must be a string, a list of strings"),
+    ({"prompt": ["a", [1]]}, BadRequest, "prompt must hold strings or lists of token ids, not both"),
+    ({"prompt": [{"type": "image_url", "image_url": {"url": DATA_URL}}]}, Unsupported,
+     "Images are a chat feature: send them as image_url parts to /v1/chat/completions"),
+    ({"prompt": [[1, "2"]]}, BadRequest, r"prompt\[0\] must be a string or a list of token ids"),
+    ({"prompt": ["x"] * 1025}, TooLarge, "prompt holds 1025 prompts; this server takes at most 1024"),
+    ({"prompt": "x", "suffix": "y"}, Unsupported, "suffix is not supported"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, Unsupported, "echo with logprobs needs the prompt's logprobs"),
+    ({"prompt": "x", "logprobs": True}, BadRequest, "logprobs must be an integer from 0 to 20"),
+    ({"prompt": "x", "logprobs": 21}, BadRequest, "logprobs must be an integer from 0 to 20"),
+    ({"prompt": "x", "top_logprobs": 2}, Unsupported, r"unsupported parameter\(s\) \['top_logprobs'\]"),
+    ({"prompt": "x", "messages": []}, Unsupported, r"unsupported parameter\(s\) \['messages'\]"),
+    ({"prompt": "x", "temperature": 9}, SamplingError, "temperature must be <= 2"),
+    ({"max_tokens": 3}, BadRequest, "prompt is required"),
+])
+def test_a_completions_body_is_refused_by_name(extra, error, words):
+    with pytest.raises(error, match=words):
+        parse_completion_request(extra)
 
 
 def test_chat_template_kwargs_carry_every_option_the_template_takes():

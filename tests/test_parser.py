@@ -151,9 +151,13 @@ def test_stop_truncation_and_stray_tokens(tiny_tokenizer):
     assert parser.finish()["content"] == "hi there" and parser.finish()["stopped"]
     with pytest.raises(RuntimeError):
         parser.feed([1])
-    kept = p.StreamParser(tiny_tokenizer, thinking=False, skip_special_tokens=False)  # a stray special is text then
-    kept.feed(tiny_tokenizer.encode("hi<|media_pad|> there<|close|>response<|sep|>", allow_special=True))
-    assert kept.finish()["content"] == "hi<|media_pad|> there"
+    # a stray special is text then, set apart by spaces (vLLM's spaces_between_special_tokens) unless asked not to
+    stray = tiny_tokenizer.encode("hi<|media_pad|> there<|close|>response<|sep|>", allow_special=True)
+    for spaced, content in ((False, "hi<|media_pad|> there"), (True, "hi <|media_pad|>  there")):
+        kept = p.StreamParser(tiny_tokenizer, thinking=False, skip_special_tokens=False,
+                              spaces_between_special_tokens=spaced)
+        kept.feed(stray)
+        assert kept.finish()["content"] == content
 
     truncated = p.StreamParser(tiny_tokenizer)
     truncated.feed(_call_ids(tiny_tokenizer, ("a", "string", "complete"), ("b", "string", "cut off"))[:-14])
@@ -199,3 +203,28 @@ def test_stopping_inside_a_call_settles_it(tiny_tokenizer):
     assert result["stopped"] and result["tool_calls"][0]["arguments"] == {"a": 1}
     assert [e["message"] for e in result["tool_calls"][0]["errors"]] == ["the argument was not closed",
                                                                          "the call was not closed"]
+
+
+def _text(events) -> str:
+    assert all(isinstance(e, p.ContentDelta) for e in events)
+    return "".join(e.text for e in events)
+
+
+@pytest.mark.parametrize(("skip", "spaced", "text"), [
+    (True, True, "a <|open|>  b\u00e9"),  # <|open|> is not flagged special: it stays, as in a Hugging Face decode
+    (True, False, "a<|open|> b\u00e9"),
+    (False, True, "a <|media_pad|> <|open|>  b\u00e9"),
+    (False, False, "a<|media_pad|><|open|> b\u00e9"),
+])
+def test_a_completion_is_decoded_as_plain_text(tiny_tokenizer, skip, spaced, text):
+    """A completion's ids have no grammar: every token is text (a character split over tokens comes
+    whole), specials as their names unless skipped, and <|end_of_msg|> ends it."""
+    ids = tiny_tokenizer.encode("a<|media_pad|><|open|> b\u00e9", allow_special=True)
+    decoder = p.output_parser(tiny_tokenizer, turn=False, thinking=False, skip_special_tokens=skip,
+                              spaces_between_special_tokens=spaced)
+    events = [e for token_id in ids[:-1] for e in decoder.feed([token_id])]  # the last byte of \u00e9 still to come
+    assert not _text(events).endswith("\ufffd")
+    events += decoder.feed([ids[-1], tk.END_OF_MSG_ID, *tiny_tokenizer.encode("after")]) + decoder.close()
+    assert _text(events) == text
+    assert isinstance(p.output_parser(tiny_tokenizer, turn=True, thinking=False, skip_special_tokens=True,
+                                      spaces_between_special_tokens=True), p.StreamParser)

@@ -120,7 +120,9 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(http):
 
 def test_logit_bias_and_skip_special_tokens(http):
     assert _complete(http, logit_bias={str(ord("H")): -100}).choices[0].message.content[:1] != "H"
-    assert _complete(http, skip_special_tokens=False).choices[0].message.content == TEXT + "<|media_pad|>!"
+    assert _complete(http, skip_special_tokens=False).choices[0].message.content == TEXT + " <|media_pad|> !"
+    assert _complete(http, skip_special_tokens=False, spaces_between_special_tokens=False).choices[0].message.content \
+        == TEXT + "<|media_pad|>!"
     penalised = _complete(http, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
     assert penalised.choices[0].message.content == REPLY  # the chain never repeats: nothing to penalise
 
@@ -162,10 +164,19 @@ def test_every_parameter_on_the_grpc_face(writer):
         events = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, sampling={
             "n": 2, "logprobs": True, "top_logprobs": 1, "stop": [".!"], "seed": 3, "presence_penalty": 0.5,
             "repetition_penalty": 1.0, "skip_special_tokens": True}))
+        extras = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, sampling={
+            "stop": ["t."], "include_stop_str_in_output": True, "temperature": 1.0, "min_p": 0.5}))
+        spaced = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, sampling={
+            "skip_special_tokens": False, "spaces_between_special_tokens": False}))
+        allowed = list(client.generate([user("Say it.")], chat_kwargs={"thinking": False}, max_new_tokens=3,
+                                       sampling={"allowed_token_ids": [ord("z")]}))
         with pytest.raises(grpc.RpcError) as info:
             list(client.generate([user("Say it.")], sampling={"presence_penalty": 3.0}))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "presence_penalty must be in [-2, 2], got 3.0"
+    assert "".join(e.content_delta for e in extras) == "Hey, cat."  # min_p keeps only the chain at temperature 1
+    assert "".join(e.content_delta for e in spaced) == TEXT + "<|media_pad|>!"
+    assert "".join(e.content_delta for e in allowed) == "zzz"
     for index in (0, 1):
         mine = [e for e in events if e.index == index]
         assert "".join(e.content_delta for e in mine) == "Hey, cat"  # ".", the stray special, "!": ".!"

@@ -45,3 +45,10 @@ def test_first_stop_in_list_order_and_no_search_under_min_tokens():
     assert held.feed([ContentDelta("ab")], search=False) == [ContentDelta("a")]  # within min_tokens
     assert held.matched is None
     assert _text(held.feed([ContentDelta("zab")])) == "bz" and held.matched == "ab"
+
+
+def test_with_include_the_matched_stop_string_ends_the_reply():
+    """vLLM's include_stop_str_in_output: the reply ends with the stop string instead of before it."""
+    stops = StopStrings(["cat"], include=True)
+    out = stops.feed([ContentDelta("a c")]) + stops.feed([ContentDelta("at and more")])
+    assert "".join(e.text for e in out) == "a cat" and stops.matched == "cat"

@@ -9,10 +9,11 @@ service's scheduler (`service.engine.scheduler`) and `generate` below are built 
 chunks of a scheduler step).
 
 From a sequence's logits to its next token, in vLLM's order: logits only for the ids that can be
-sampled (`TokenSpace`), the raw log-probabilities taken from them (`logprobs`); `min_tokens` (the
-stop tokens masked until that many tokens exist); `logit_bias` (added); the penalties (repetition
-over prompt and output tokens, then frequency and presence over output tokens); then greedy argmax,
-or temperature, top-k, top-p and a draw from the sequence's own generator.
+sampled (`TokenSpace`), the raw log-probabilities taken from them (`logprobs`);
+`allowed_token_ids` (every other id masked); `min_tokens` (the stop tokens masked until that many
+tokens exist); `logit_bias` (added); the penalties (repetition over prompt and output tokens, then
+frequency and presence over output tokens); then greedy argmax, or temperature, min-p, top-k,
+top-p and a draw from the sequence's own generator.
 """
 
 from __future__ import annotations
@@ -68,12 +69,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    min_p: float = 0.0  # 0 = no min-p cut
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
+    spaces_between_special_tokens: bool = True  # a special token written as text is set apart by spaces
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
-        for name in ("temperature", "top_p"):
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise SamplingError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        for name in ("temperature", "top_p", "min_p"):
             if not math.isfinite(getattr(self, name)):
                 raise SamplingError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -84,6 +93,8 @@ class SamplingParams:
             raise SamplingError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.temperature < GREEDY_BELOW:
@@ -105,9 +116,10 @@ class SamplingParams:
             raise SamplingError("top_logprobs needs logprobs to be true")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingError(f"stop must hold non-empty strings, got {list(self.stop)}")
-        for token_id in self.stop_token_ids:
-            if token_id < 0:
-                raise SamplingError(f"stop_token_ids must hold token ids (>= 0), got {token_id}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for token_id in getattr(self, name) or ():
+                if token_id < 0:
+                    raise SamplingError(f"{name} must hold token ids (>= 0), got {token_id}")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0:
                 raise SamplingError(f"logit_bias keys must be token ids (>= 0), got {token_id}")
@@ -116,8 +128,9 @@ class SamplingParams:
                                     f"got {bias}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The token ids named (stop_token_ids, logit_bias) must be in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+        """The token ids named (stop_token_ids, logit_bias, allowed_token_ids) must be in the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             outside = sorted(i for i in ids if i >= vocab_size)
             if outside:
                 raise SamplingError(f"{name} names token {outside[0]}, outside the vocabulary [0, {vocab_size})")
@@ -196,6 +209,10 @@ class Sampler:
         if params.repetition_penalty != 1:
             self._in_prompt = torch.zeros(space.size, dtype=torch.bool, device=self.device)
             self._in_prompt[self._columns(prompt_ids)] = True
+        self._disallowed = None
+        if params.allowed_token_ids is not None:
+            self._disallowed = torch.ones(space.size, dtype=torch.bool, device=self.device)
+            self._disallowed[self._columns(params.allowed_token_ids)] = False
         self._bias = None
         biased = [(i, b) for i, b in sorted(params.logit_bias.items()) if space.columns([i])]
         if biased:  # a bias on an id outside the space changes nothing: it is never sampled
@@ -209,7 +226,8 @@ class Sampler:
     def takes_argmax(self) -> bool:
         """This step's token is the argmax of the logits as they come (greedy, nothing to process)."""
         p = self.params
-        return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised)
+        return p.temperature == 0 and not (len(self.tokens) < p.min_tokens or p.logit_bias or p.penalised
+                                           or p.allowed_token_ids)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` `[space.size]` fp32 -> what the draw sees (`logits` itself is never written: the
@@ -217,6 +235,8 @@ class Sampler:
         p = self.params
         held = len(self.tokens) < p.min_tokens
         out = logits.clone() if held or self._bias is not None else logits  # the two edits in place
+        if self._disallowed is not None:
+            out = out.masked_fill(self._disallowed, float("-inf"))
         if held:
             out[self._held_back] = float("-inf")
         if self._bias is not None:
@@ -230,13 +250,16 @@ class Sampler:
         return out
 
     def draw(self, logits: torch.Tensor) -> int:
-        """A column from processed `logits`: argmax at temperature 0, else top-k, then top-p, then a
-        draw from this sequence's generator."""
+        """A column from processed `logits`: argmax at temperature 0, else min-p, top-k, then top-p
+        (vLLM's order), then a draw from this sequence's generator."""
         p = self.params
         if p.temperature == 0:
             return int(logits.argmax())
         # (logits - max) / t stays finite for any t > 0; -inf / inf is the only NaN, and it is -inf
         scaled = ((logits - logits.max()) / p.temperature).nan_to_num(nan=float("-inf"))
+        if p.min_p:
+            # the max of `scaled` is 0, so a token's probability over the top one's is exp(scaled)
+            scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.shape[-1])).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -16,6 +16,9 @@ yields a `ToolArgumentError` and leaves its siblings intact. Generation stops at
 
 Feeding any split of the same ids gives the same `finish()` result and, once consecutive deltas
 of the same kind are merged, the same events.
+
+A completion (`/v1/completions`) continues any text, not an assistant turn: its ids go to a
+`TextDecoder` instead, which has no grammar and writes every token's text (`output_parser` picks).
 """
 
 from __future__ import annotations
@@ -149,15 +152,38 @@ _TEXT, _OPEN_HEADER, _CLOSE_HEADER, _DONE = range(4)
 _CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",), "call": ("argument", "json")}
 
 
+class _Spacing:
+    """vLLM's `spaces_between_special_tokens` (its slow tokenizers' decoding): a control token written
+    as text is a piece of its own, and it is set apart from the text (or token) beside it by a space."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.started = False  # some text was written
+        self.after_special = False
+
+    def text(self, text: str) -> str:
+        out = " " + text if self.on and self.after_special else text
+        self.started, self.after_special = True, False
+        return out
+
+    def special(self, name: str) -> str:
+        out = " " + name if self.on and self.started else name
+        self.started = self.after_special = True
+        return out
+
+
 class StreamParser:
     """Incremental parser of one assistant turn's token ids (see the module docstring)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, thinking: bool = True, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, thinking: bool = True, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         """`skip_special_tokens` False: a control token that is not structure (e.g. a stray
         `<|media_pad|>` in text) is written into the text as its name instead of being dropped with a
-        `ProtocolError` (vLLM's skip_special_tokens; the markers of the grammar are never text)."""
+        `ProtocolError` (vLLM's skip_special_tokens; the markers of the grammar are never text), set
+        apart by spaces unless `spaces_between_special_tokens` is False."""
         self._tokenizer = tokenizer
         self._special_text = not skip_special_tokens
+        self._spacing = _Spacing(spaces_between_special_tokens)
         self._stack = [_Element("message"), _Element("think" if thinking else "response")]
         self._mode = _TEXT
         self._text_ids: list[int] = []
@@ -203,7 +229,7 @@ class StreamParser:
             self._tokenizer.decode_bytes([token_id])  # rejects ids outside the vocabulary
             if self._special_text:
                 self._flush_text(final=False)
-                self._emit_text(self._name(token_id))
+                self._emit_text(self._spacing.special(self._name(token_id)))
             else:
                 self._error(f"unexpected control token {self._name(token_id)} in text")
 
@@ -240,7 +266,7 @@ class StreamParser:
             return
         text = self._decoder.decode(data, final=final)
         if text:
-            self._emit_text(text)
+            self._emit_text(self._spacing.text(text))
 
     def _end_text(self) -> None:
         """A marker ends the current text run: finish its characters and report stray text."""
@@ -389,3 +415,62 @@ class StreamParser:
             "tool_calls": [call.as_dict() for call in self._calls],
             "stopped": self._stopped,
         }
+
+
+class TextDecoder:
+    """A completion's output ids as `ContentDelta` events of the text they decode to, incrementally
+    (a character split over tokens comes whole). A control token flagged special is dropped with
+    `skip_special_tokens`; any other (and every one without it) is written as its name, spaced as
+    `_Spacing` says. `<|end_of_msg|>` ends the text. The same `feed` / `close` as `StreamParser`."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._spacing = _Spacing(spaces_between_special_tokens)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._done = False
+
+    def feed(self, ids: Iterable[int]) -> list[Event]:
+        events: list[Event] = []
+        text_ids: list[int] = []
+        for token_id in ids:
+            if self._done:
+                continue
+            if token_id < NUM_BASE_TOKENS:
+                text_ids.append(token_id)
+                continue
+            self._text(events, text_ids, final=True)
+            text_ids = []
+            name = self._tokenizer.special_names.get(token_id)
+            if name is None:
+                self._tokenizer.decode_bytes([token_id])  # raises: an id outside the vocabulary
+            if token_id == END_OF_MSG_ID:
+                self._done = True
+            elif not (self._skip and token_id in self._tokenizer.skippable_ids):
+                events.append(ContentDelta(self._spacing.special(name)))
+        self._text(events, text_ids, final=False)
+        return events
+
+    def _text(self, events: list[Event], ids: list[int], *, final: bool) -> None:
+        data = self._tokenizer.decode_bytes(ids) if ids else b""
+        text = self._decoder.decode(data, final=final)
+        if final:
+            self._decoder.reset()
+        if text:
+            events.append(ContentDelta(self._spacing.text(text)))
+
+    def close(self) -> list[Event]:
+        events: list[Event] = []
+        self._text(events, [], final=True)
+        return events
+
+
+def output_parser(tokenizer: Tokenizer, *, turn: bool, thinking: bool, skip_special_tokens: bool,
+                  spaces_between_special_tokens: bool) -> StreamParser | TextDecoder:
+    """What reads a reply's ids: an assistant turn's parser (`turn`), else a completion's decoder."""
+    if turn:
+        return StreamParser(tokenizer, thinking=thinking, skip_special_tokens=skip_special_tokens,
+                            spaces_between_special_tokens=spaces_between_special_tokens)
+    return TextDecoder(tokenizer, skip_special_tokens=skip_special_tokens,
+                       spaces_between_special_tokens=spaces_between_special_tokens)

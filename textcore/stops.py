@@ -1,5 +1,6 @@
 """Stop strings: a reply ends where one of them first appears in its text, and the matched text
-(and everything after it) is not part of the reply, as OpenAI and vLLM do.
+(and everything after it) is not part of the reply, as OpenAI and vLLM do; with `include` (vLLM's
+`include_stop_str_in_output`) the matched text ends the reply instead.
 
 The text is what the parser streams (`textcore.parser`: reasoning, content and tool-argument
 deltas, control tokens being structure, not text). Like vLLM, the filter holds back the last
@@ -26,15 +27,17 @@ def _text(event: Event) -> str:
 class StopStrings:
     """One reply's stop-string filter over its parser events."""
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
+        self.include = include
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._pending: list[Event] = []
         self.matched: str | None = None  # the stop string that ended the reply
 
     def feed(self, events: Iterable[Event], search: bool = True) -> list[Event]:
         """Take the events of one token; return those now known to be part of the reply. After a
-        match (`matched` set) the match and everything after it are dropped; feed no more."""
+        match (`matched` set) everything after it is dropped (the match too, unless `include`); feed
+        no more."""
         events = list(events)
         if not self.stop:
             return events
@@ -46,7 +49,7 @@ class StopStrings:
                 at = text.find(stop, max(0, len(text) - new - len(stop) + 1))
                 if at != -1:
                     self.matched = stop
-                    released = self._release(at)
+                    released = self._release(at + len(stop) if self.include else at)
                     self._pending = []
                     return released
         return self._release(len(text) - self._hold)

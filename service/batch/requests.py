@@ -54,7 +54,7 @@ def chat_request(item: Item, task: str, max_new_tokens: int) -> ChatRequest:
     max_tokens, and thinking off unless it asks for thinking (a caption or a transcription is
     wanted, not a reasoning trace; a reasoning_effort other than "none" asks)."""
     request = parse_chat_request(_body(item, task))
-    if request.stream:
+    if request.streaming.stream:
         raise BadRequest("stream: a batch line gets one whole reply; drop stream")
     kwargs = dict(request.chat.kwargs)
     if "thinking" not in kwargs and "enable_thinking" not in kwargs and kwargs.get("reasoning_effort") is None:

@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "params": ("service.cli.params", "parameter counts, MXFP4 disk size and cache sizes of a model preset"),
     "quantize": ("service.cli.quantize", "convert a bf16 checkpoint to MXFP4 (mxfp4-pack-quantized), as released"),
     "batch": ("service.cli.batch", "caption, OCR or embed many images (progress, exactly-once --resume, Ray)"),
+    "checkpoint-path": ("service.cli.checkpoint_path", "print the checkpoint directory serve loads (its tokenizer: "
+                        "what a benchmark tool's --tokenizer takes)"),
 }
 
 

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from service.engine.inputs import (
 from service.engine.loading import decodable_ids, load_engine, name_or_path, warm_up
 from service.engine.pool import EncodeError, EncoderPool
 from service.engine.scheduler import Choice, Generation, GenerationResult, Scheduler, default_kv_cache_bytes
-from service.metrics import Metrics
+from service.metrics import Metrics, TrunkLoad
 from textcore.generate import SamplingParams
 from textcore.model import KimiLinearForCausalLM
 from textcore.splice import Span, position_ids
@@ -128,6 +129,9 @@ class Engine:
                                  f"bytes of KV cache, over the budget of {budget:,} bytes: lower --max-model-len or "
                                  "raise --kv-cache-memory-gb")
         self.max_model_len = max_model_len
+        self.series = self.metrics.vllm_series(self.served_model_names[0])
+        if self.scheduler is not None:
+            self.metrics.read_trunk(self.served_model_names[0], self.trunk_load)
         limits = RequestLimits(config.limits, config.max_images, config.max_request_pixels, max_model_len)
         self.preparer = Preparer(tokenizer, limits, self.fingerprint, self.metrics, self.scheduler)
 
@@ -166,6 +170,18 @@ class Engine:
         """Per-worker state (for health checks and metrics)."""
         return self.pool.health()
 
+    def trunk_load(self) -> TrunkLoad:
+        """The trunk's sequences running and waiting, and its KV cache in use (`kv_cache_usage`)."""
+        assert self.scheduler is not None, "a trunk's load"
+        running, waiting = self.scheduler.load
+        return TrunkLoad(running, waiting, self.kv_cache_usage())
+
+    def kv_cache_usage(self) -> float:
+        """The share (0..1) of the KV cache pool's blocks the running sequences hold (vLLM's
+        `kv_cache_usage_perc`): the one place that says how the scheduler's cache is counted."""
+        assert self.scheduler is not None, "a trunk's KV cache"
+        return self.scheduler.kv.used / self.scheduler.kv.total
+
     def serves(self, model: str | None) -> bool:
         """Whether a request's `model` names this model (no name: it does)."""
         return model is None or model in self.served_model_names
@@ -185,6 +201,19 @@ class Engine:
         """Plans, keys, the prompt and the resolved sampling, once (`Preparer.prepare`)."""
         with tracing.span("preprocess", images=len(media)):
             return await self.run_cpu(self.preparer.prepare, checked, media, chat)
+
+    async def prepare_text(self, checked: Checked, prompt: str | Sequence[int], where: str) -> Prepared:
+        """A completion's prompt, text or token ids (`Preparer.prepare_text`)."""
+        return await self.run_cpu(self.preparer.prepare_text, checked, prompt, where)
+
+    async def text_ids(self, text: str) -> list[int]:
+        """`text`'s token ids, as a completion's prompt is read (`Preparer.text_ids`)."""
+        return await self.run_cpu(self.preparer.text_ids, text)
+
+    async def detokenize(self, ids: Sequence[int], where: str) -> str:
+        """The text of token ids, each checked against the vocabulary (nothing skipped)."""
+        checked = self.preparer.check_ids(ids, where)
+        return await self.run_cpu(self.tokenizer.decode, checked)
 
     # -- work -----------------------------------------------------------------------------------
 
@@ -245,21 +274,38 @@ class Engine:
         self.metrics.tokens.labels(kind="prompt").inc(len(prepared.prompt.ids))
         return Encoding(media, embeddings, prepared.prompt, positions)
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Choice]:
+    async def generate(self, prepared: Prepared,
+                       counted: Callable[[int], None] | None = None) -> AsyncIterator[Choice]:
         """Prefill the spliced prompt and decode `params.n` replies in the trunk's batch: yields
         `Choice` items as they happen (each reply's parser events, its tokens' `Logprobs` when asked
-        for), each reply ending with its `GenerationResult`. Leaving early (the caller stops
-        iterating or is cancelled) takes the replies out of the batch at the scheduler's next step."""
+        for), each reply ending with its `GenerationResult`. `counted(index)` is called on the
+        event loop for each output token of reply `index`, before the items of its text. Leaving
+        early (the caller stops iterating or is cancelled) takes the replies out of the batch at the
+        scheduler's next step."""
         assert prepared.prompt is not None and prepared.params is not None, "generate a prepared generation"
+        start = time.perf_counter()
         rows = [e.rows for e in await self.embed(prepared)]
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
+        series = self.series
+        last: dict[int, float] = {}  # each reply's last token
 
         def emit(item: Choice | BaseException | None) -> None:  # on the scheduler's thread
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(items.put_nowait, item)
 
-        generation = Generation(prepared.prompt, rows, prepared.params, emit)
+        def sampled(index: int, output: bool) -> None:  # on the scheduler's thread
+            now = time.perf_counter()
+            if not last:
+                series.time_to_first_token.observe(now - start)
+            elif index in last:
+                series.inter_token_latency.observe(now - last[index])
+            last[index] = now
+            if output and counted is not None:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(counted, index)
+
+        generation = Generation(prepared.prompt, rows, prepared.params, emit, sampled=sampled)
         completion = 0
         try:
             with tracing.span("generate", max_new_tokens=prepared.params.max_new_tokens, n=prepared.params.n) as span:
@@ -276,6 +322,9 @@ class Engine:
             generation.cancelled.set()  # the scheduler drops it at its next step if we are leaving early
         self.metrics.tokens.labels(kind="prompt").inc(len(prepared.prompt.ids))
         self.metrics.tokens.labels(kind="generated").inc(completion)
+        series.prompt_tokens.inc(len(prepared.prompt.ids))
+        series.generation_tokens.inc(completion)
+        series.e2e_request_latency.observe(time.perf_counter() - start)
 
     async def _encode(self, missing: list[PlannedMedia]) -> list[torch.Tensor]:
         """Each item's rows from the pool, queued off the event loop (a large item's bytes are copied

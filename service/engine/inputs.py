@@ -15,6 +15,10 @@ Every face turns its wire form into these types at its edge (`MediaInput`, `Chat
    resolved against the model length, and the request's prompts and longest sequence checked
    against the KV cache pool (what could never be admitted or finished). The result, `Prepared`,
    is what the engine's calls start from: below it nothing is checked again (the scheduler asserts).
+
+A completion (`Preparer.prepare_text`) has no chat and no media: its prompt is text, tokenized
+as a Hugging Face tokenizer of the checkpoint reads text (control-token spellings become their
+ids), or token ids; its reply is plain text, not an assistant turn (`Prompt.turn`).
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.engine.identity import content_hash
-from service.errors import BadRequest, NotConfigured, TooLarge
+from service.errors import BadRequest, NotConfigured, TooLarge, Unsupported
 from service.metrics import Metrics
 from textcore.chat import ChatError, check_chat_kwargs, render
 from textcore.generate import SamplingParams
 from textcore.splice import Span, expand_media_pads
-from textcore.tokenizer import MEDIA_PAD_ID, Tokenizer
+from textcore.tokenizer import MEDIA_PAD_ID, NUM_BASE_TOKENS, Tokenizer
 from vision.decode import Limits
 from vision.errors import ImageError
 from vision.media import Modality, check_modality, plan_media, preprocess_media
@@ -106,6 +110,7 @@ class Prompt:
     ids: list[int]
     spans: list[Span]
     thinking: bool
+    turn: bool = True  # the reply is an assistant turn (parsed); False: plain text, a completion's
 
     @property
     def media_tokens(self) -> int:
@@ -171,8 +176,7 @@ class Preparer:
             if self.scheduler is None:
                 raise NotConfigured("this server runs the vision components only (components=vision): generation "
                                     "needs the trunk; serve with --components all")
-            assert chat is not None, "a generation continues a chat"
-            if chat.kwargs.get("add_generation_prompt") is False:
+            if chat is not None and chat.kwargs.get("add_generation_prompt") is False:
                 raise BadRequest("generation always adds the generation prompt; drop add_generation_prompt")
             asked = params.max_new_tokens
             if asked is not None and asked >= limits.max_model_len:
@@ -196,6 +200,34 @@ class Preparer:
             params = self._resolve_new_tokens(params, len(prompt.ids))
             self.scheduler.check(len(prompt.ids), params)
         return Prepared(planned, prompt, params)
+
+    def prepare_text(self, checked: Checked, prompt: str | Sequence[int], where: str) -> Prepared:
+        """A completion's prompt (text or token ids; `where` names it in errors), counted and its
+        sampling resolved as `prepare` does a chat's. Blocking (tokenizing)."""
+        assert checked.media == 0 and checked.params is not None, "prepare a checked completion"
+        ids = self.text_ids(prompt) if isinstance(prompt, str) else self.check_ids(prompt, where)
+        if MEDIA_PAD_ID in ids:
+            raise Unsupported(f"{where} holds <|media_pad|> (id {MEDIA_PAD_ID}), an image's place: images are a chat "
+                              "feature; send them as image_url parts to /v1/chat/completions")
+        if not ids:
+            raise BadRequest(f"{where} is empty: a completion continues at least one token")
+        params = self._resolve_new_tokens(checked.params, len(ids))
+        self.scheduler.check(len(ids), params)
+        return Prepared([], Prompt(list(ids), [], thinking=False, turn=False), params)
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text`'s ids as the checkpoint's Hugging Face tokenizer gives them (control-token
+        spellings become their ids; nothing is added around them: this tokenizer adds no BOS)."""
+        return self.tokenizer.encode(text, allow_special=True)
+
+    def check_ids(self, ids: Sequence[int], where: str) -> list[int]:
+        """`ids`, each in this tokenizer's vocabulary (the base tokens, then the reserved specials)."""
+        base = self.tokenizer.num_base_tokens
+        for i, token_id in enumerate(ids):
+            if not (0 <= token_id < base or NUM_BASE_TOKENS <= token_id < self.tokenizer.vocab_size):
+                raise BadRequest(f"{where}[{i}] is {token_id}, not a token id of this vocabulary (0..{base - 1} and "
+                                 f"{NUM_BASE_TOKENS}..{self.tokenizer.vocab_size - 1})")
+        return list(ids)
 
     def preprocess(self, item: MediaInput) -> Preprocessed:
         """The item's exact model input (blocking)."""

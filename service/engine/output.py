@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from textcore.generate import Sample
-from textcore.parser import Event, StreamParser
+from textcore.parser import Event, StreamParser, TextDecoder, output_parser
 from textcore.stops import StopStrings
 from textcore.tokenizer import END_OF_MSG_ID, Tokenizer
 
@@ -42,6 +42,7 @@ class GenerationResult:
     prompt_tokens: int  # after expansion
     image_tokens: int
     completion_tokens: int
+    stop_reason: int | str | None = None  # what stopped it: a stop_token_ids id, a stop string (vLLM's)
 
 
 class TokenLogprob(NamedTuple):
@@ -81,7 +82,7 @@ class Reply:
     job: Generation
     index: int
     tokenizer: Tokenizer
-    parser: StreamParser = field(init=False)
+    parser: StreamParser | TextDecoder = field(init=False)
     stops: StopStrings = field(init=False)
     tokens: int = 0
     done: bool = False
@@ -89,9 +90,10 @@ class Reply:
 
     def __post_init__(self) -> None:
         params = self.job.params
-        self.parser = StreamParser(self.tokenizer, thinking=self.job.prompt.thinking,
-                                   skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopStrings(params.stop)
+        self.parser = output_parser(self.tokenizer, turn=self.job.prompt.turn, thinking=self.job.prompt.thinking,
+                                    skip_special_tokens=params.skip_special_tokens,
+                                    spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stops = StopStrings(params.stop, include=params.include_stop_str_in_output)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.decode_bytes([token_id])
@@ -100,6 +102,9 @@ class Reply:
         """The sequence's sampled token and the trunk's finish reason for it (None: it goes on):
         report it (logprobs, then the text it completes) and finish the reply at a stop token, a
         stop string or its length."""
+        stop_reason: int | str | None = None
+        if reason == "stop" and sample.token_id != END_OF_MSG_ID:
+            stop_reason = sample.token_id
         if reason == "stop":  # a stop token is not part of the reply; <|end_of_msg|> ends the parser's turn
             events = self.parser.feed([END_OF_MSG_ID]) if sample.token_id == END_OF_MSG_ID else []
         else:
@@ -111,7 +116,7 @@ class Reply:
             events = self.parser.feed([sample.token_id])
         released = self.stops.feed(events, search=self.tokens > self.job.params.min_tokens)
         if self.stops.matched is not None:
-            reason, self.stopped = "stop", True
+            reason, stop_reason, self.stopped = "stop", self.stops.matched, True
         elif reason is not None:
             released += self.stops.feed(self.parser.close())
             released += self.stops.flush()
@@ -119,7 +124,7 @@ class Reply:
             self._emit(event)
         if reason is not None:
             prompt = self.job.prompt
-            self._emit(GenerationResult(reason, len(prompt.ids), prompt.media_tokens, self.tokens))
+            self._emit(GenerationResult(reason, len(prompt.ids), prompt.media_tokens, self.tokens, stop_reason))
             self.done = True
             self.job.open -= 1
             if self.job.open == 0:

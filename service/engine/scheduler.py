@@ -51,7 +51,15 @@ from service.engine.kv import KVCacheManager
 from service.engine.output import Choice, GenerationResult, Logprobs, OutputProcessor, Reply, TokenLogprob
 from service.errors import BadRequest, TooLarge, Unavailable
 from service.metrics import Metrics
-from textcore.generate import Sample, Sampler, SamplingParams, TokenSpace, decode_step, sample_batch
+from textcore.generate import (
+    Sample,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    TokenSpace,
+    decode_step,
+    sample_batch,
+)
 from textcore.model import KimiLinearForCausalLM, SequenceCache
 from textcore.splice import splice_rows
 from textcore.tokenizer import Tokenizer
@@ -112,6 +120,9 @@ class Generation:
     params: SamplingParams  # max_new_tokens resolved (`Preparer.prepare`)
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Called on the scheduler's thread as each token is sampled: (choice, whether it is an output
+    # token, as a stop token is not); the engine times and counts the tokens with it.
+    sampled: Callable[[int, bool], None] = lambda index, output: None
     # set by the scheduler and the output processor
     open: int = 0  # replies not yet finished (the output processor's count)
     dropped: bool = False  # the job failed: the trunk drops its sequences at its next step
@@ -225,7 +236,8 @@ class Scheduler:
         """Refuse a generation that could never be admitted or finished, once its prompt is counted
         (`Preparer.prepare`): its n prompts, or one of its sequences at its full length (prompt +
         max_new_tokens), over the whole KV pool (`TooLarge`); token ids outside the vocabulary
-        (`SamplingError`). `params.max_new_tokens` is resolved. Everything else waits for blocks."""
+        or only outside what can be sampled (`SamplingError`). `params.max_new_tokens` is resolved.
+        Everything else waits for blocks."""
         assert params.max_new_tokens is not None, "resolve max_new_tokens from the prompt's length first"
         prompts = params.n * self.kv.blocks_for(prompt_tokens)
         longest = self.kv.blocks_for(prompt_tokens + params.max_new_tokens)
@@ -236,6 +248,8 @@ class Scheduler:
                            f"tokens for one sequence at its longest), over the server's {self.kv.total:,} "
                            "(--kv-cache-memory-gb); send a shorter prompt or ask for fewer tokens")
         params.check_vocab(self.model.cfg.vocab_size)
+        if params.allowed_token_ids and not self._space.columns(params.allowed_token_ids):
+            raise SamplingError("allowed_token_ids names no token this model's tokenizer can write")
 
     def submit(self, job: Generation) -> None:
         """Queue a generation `check`ed when it was prepared (nothing is checked again here)."""
@@ -254,6 +268,14 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(sequences admitted: decoding or having their prompt prefilled, sequences waiting to be
+        admitted), a generation's n counting as n: what vLLM counts as running and waiting requests."""
+        with self._wake:
+            waiting = sum(item.params.n if isinstance(item, Generation) else 1 for item in self._waiting)
+        return len(self._running) + sum(p.sequences for p in self._prefilling), waiting
 
     def close(self) -> None:
         """Stop after the current step; generations still open (queued too) end `Unavailable`."""
@@ -366,6 +388,7 @@ class Scheduler:
         """A sequence's sampled token, recorded by its sampler: what the output processor gets of it;
         the sequence leaves at a stop token or its length (before its caller can hear the end)."""
         reason = sequence.sampler.take(sample.token_id)
+        sequence.job.sampled(sequence.index, reason != "stop")
         if reason != "stop":
             sequence.last = sample.token_id
         if reason is not None:

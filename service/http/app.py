@@ -17,6 +17,12 @@ clients call, on the same engine, admission, limits, token and metrics as the gR
   token needed; not access-logged unless `log_health_checks`).
 - `GET /v1/models`: the served model names (503 with admission's reason while there is no model:
   warming up, or failed to load).
+- `POST /v1/completions`: vLLM's completions (a prompt of text or token ids, or a list of them),
+  through the same pieces as the chat route: one admitted road (`admitted`), the same sampling
+  (`service.openai.request`), one reply path for whole and streamed answers (`_reply`); the
+  prompts of one request generate together. `POST /tokenize` and `/detokenize` in vLLM's shapes
+  (a chat's images counted from their headers); `GET /version`.
+- `GET` and `HEAD /metrics`: the registry the metrics port serves (`service.metrics.render`).
 
 A chat completion's cost is admitted before the work: it takes its admission place before its
 body is read (a bounded number of bodies read at once, each within `body_timeout_s`: a slow
@@ -29,7 +35,8 @@ access log says 499.
 Errors, every one (404, 405, 408, 413, 429, 431, ...), are rendered in one place
 (`service.http.errors`): OpenAI error objects here, SGLang's body on its routes, each with the
 status, type and connection handling its kind has in `service.errors.RULES`; 401 carries
-`WWW-Authenticate: Bearer`. Every
+`WWW-Authenticate: Bearer`. The bearer token guards the routes that do work for a caller (`/v1/*`,
+`/tokenize`, `/detokenize`: `TOKEN_PATHS`), not `/health`, `/version` or `/metrics`. Every
 response carries `x-request-id`: the caller's (a plain token), else a new one, which is also on
 the request's access-log line and every other log line written while it is handled. Metric labels
 come from fixed sets (a method outside them is "other", a path no route serves "unmatched").
@@ -39,12 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,7 +63,7 @@ from starlette.requests import ClientDisconnect
 from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
-from service.engine import Choice, Encoding, Engine, GenerationResult, Prepared
+from service.engine import Choice, Encoding, Engine, GenerationResult, MediaInput, Prepared
 from service.epd.base import Delivery, Sink
 from service.epd.destinations import DestinationRule, Guard
 from service.epd.vllm_storage import ItemKey, VllmStorageSink
@@ -75,14 +83,38 @@ from service.http.gone import unless_disconnected
 from service.http.sglang import add_sglang_routes
 from service.jsontext import parse_json
 from service.logs import REQUEST_ID, log_access, request_id
-from service.metrics import Metrics
-from service.openai.request import ChatRequest, parse_chat_request, parse_producer_request
-from service.openai.response import Reply, chunk, completion, error_body, new_id
+from service.media import MediaRef
+from service.metrics import METRICS_PATH, Metrics, render
+from service.openai.request import (
+    ChatRequest,
+    CompletionRequest,
+    Streaming,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_producer_request,
+    parse_tokenize_request,
+)
+from service.openai.response import (
+    CompletionReply,
+    Reply,
+    TokenCounts,
+    chunk,
+    completion,
+    error_body,
+    new_id,
+    text_completion,
+)
 
 log = logging.getLogger("kimi_vision.access")
+T = TypeVar("T")
+VERSION = importlib.metadata.version("kimi-vision")
 
 HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "x-request-id"
+# Beside /v1/*, the routes that do work for a caller (a chat's images fetched and read): behind the
+# bearer token, as vLLM's api key guards only /v1 but an image fetch must not be open.
+TOKEN_PATHS = frozenset({"/tokenize", "/detokenize"})
 UNMATCHED = "unmatched"  # the `handler` label of a path no route serves (the path itself could be anything)
 
 
@@ -154,7 +186,7 @@ class HttpApp:
         if size > self.config.max_header_bytes:
             return error_response(failure_for(HeadersTooLarge(
                 f"the request line and headers hold {size:,} bytes; the limit is {self.config.max_header_bytes:,}")))
-        if self.token is None or not scope["path"].startswith("/v1/"):
+        if self.token is None or not (scope["path"].startswith("/v1/") or scope["path"] in TOKEN_PATHS):
             return None
         refused = self.token.refusal(headers.getlist("authorization"))
         if refused is None:
@@ -276,49 +308,25 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *, lo
                  "parent": None} for name in engine.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
-    async def respond(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
-        request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
-        engine = admission.engine  # set once the server serves, which admission waited for
-        if not engine.serves(request.model):
-            raise NotFound(f"the model {request.model!r} does not exist here; this server serves "
+    def served(model: str | None) -> Engine:
+        """The engine, if `model` names it (admission waited for the engine before the body was read)."""
+        engine = admission.engine
+        if not engine.serves(model):
+            raise NotFound(f"the model {model!r} does not exist here; this server serves "
                            f"{list(engine.served_model_names)}")
-        # The cheap checks, before any item is fetched: their count and modality, the sampling, the length.
-        checked = engine.check(request.media, request.chat, request.params)
-        sink = VllmStorageSink.of(engine) if config.ec_producer else None  # (the export directory is set)
-        if sink is not None:
-            sink.check(request.media)
-        data = await fetcher(engine).fetch_all(request.media)  # not holding a work slot
-        media = [ref.input(item) for ref, item in zip(request.media, data, strict=True)]
-        # Each item's key, every uuid rule checked, before any pixel is encoded.
-        keys = None if sink is None else await engine.run_cpu(sink.keys, media)
-        # A generation takes no work slot (the trunk's scheduler bounds generations); an encode does.
-        engine = await stack.enter_async_context(ticket.work(generation=sink is None))
-        prepared = await engine.prepare(checked, media, request.chat)
-        reply = await _answer(engine, request, prepared, sink, keys)
-        if isinstance(reply, dict):
-            return JSONResponse(reply)
-        stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
-        first = await anext(reply)  # the prefill: its errors are still a status, not a broken stream
+        return engine
 
-        async def events() -> AsyncIterator[str]:
-            yield first
-            try:
-                async for line in reply:
-                    yield line
-            except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
-                yield f"data: {json.dumps(error_body(failure_for(exc)))}\n\n"
-                yield "data: [DONE]\n\n"
-
-        return _Stream(events(), stack)
-
-    @routes.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def admitted(request: Request, answer: Callable[[Ticket, Any, contextlib.AsyncExitStack],
+                                                           Awaitable[Response]]) -> Response:
+        """A POST route's one road: a queue place before the body is read, the body, then `answer`
+        (which takes a work slot when it needs one, into the stack); the client leaving cancels it
+        wherever it is, and every failure becomes an OpenAI error here."""
         stack = contextlib.AsyncExitStack()
         streaming = False
         try:
             ticket = await stack.enter_async_context(admission.enter())
             body = await _read_body(request, ticket, config)
-            response = await unless_disconnected(request, respond(ticket, body, stack))
+            response = await unless_disconnected(request, answer(ticket, body, stack))
             streaming = isinstance(response, _Stream)  # the stream closes the stack when it ends
             return response
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error, in one place
@@ -326,6 +334,86 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *, lo
         finally:
             if not streaming:
                 await stack.aclose()
+
+    async def chat(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
+        request = (parse_producer_request if config.ec_producer else parse_chat_request)(body)
+        engine = served(request.model)
+        # The cheap checks, before any item is fetched: their count and modality, the sampling, the length.
+        checked = engine.check(request.media, request.chat, request.params)
+        sink = VllmStorageSink.of(engine) if config.ec_producer else None  # (the export directory is set)
+        if sink is not None:
+            sink.check(request.media)
+        media = await fetch(engine, request.media)
+        # Each item's key, every uuid rule checked, before any pixel is encoded.
+        keys = None if sink is None else await engine.run_cpu(sink.keys, media)
+        # A generation takes no work slot (the trunk's scheduler bounds generations); an encode does.
+        engine = await stack.enter_async_context(ticket.work(generation=sink is None))
+        prepared = await engine.prepare(checked, media, request.chat)
+        return await _reply(await _answer(engine, request, prepared, sink, keys), stack)
+
+    async def complete(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
+        request = parse_completion_request(body)
+        engine = served(request.model)
+        checked = engine.check([], None, request.params)
+        engine = await stack.enter_async_context(ticket.work(generation=True))
+        single = len(request.prompts) == 1
+        prepared = [await engine.prepare_text(checked, prompt, "prompt" if single else f"prompt[{i}]")
+                    for i, prompt in enumerate(request.prompts)]
+        echoes = None
+        if request.echo:
+            echoes = [prompt if isinstance(prompt, str) else await engine.detokenize(prompt, "prompt")
+                      for prompt in request.prompts]
+        model = request.model or engine.served_model_names[0]
+        return await _reply(await _completions(engine, request, prepared, echoes, model), stack)
+
+    async def count(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
+        request = parse_tokenize_request(body)
+        engine = served(request.model)
+        if request.chat is None:
+            ids = await engine.text_ids(request.prompt)
+        else:  # its images counted from their headers, as CountTokens counts them
+            checked = engine.check(request.media, request.chat)
+            media = await fetch(engine, request.media)
+            engine = await stack.enter_async_context(ticket.work())
+            ids = (await engine.prepare(checked, media, request.chat)).prompt.ids
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len or 0, "tokens": ids})
+
+    async def decode(ticket: Ticket, body: Any, stack: contextlib.AsyncExitStack) -> Response:
+        request = parse_detokenize_request(body)
+        engine = served(request.model)
+        return JSONResponse({"prompt": await engine.detokenize(request.tokens, "tokens")})
+
+    async def fetch(engine: Engine, refs: list[MediaRef]) -> list[MediaInput]:
+        """The request's media, its remote items fetched together (not holding a work slot)."""
+        data = await fetcher(engine).fetch_all(refs)
+        return [ref.input(item) for ref, item in zip(refs, data, strict=True)]
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await admitted(request, chat)
+
+    @routes.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await admitted(request, complete)
+
+    @routes.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await admitted(request, count)
+
+    @routes.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await admitted(request, decode)
+
+    @routes.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION})
+
+    @routes.api_route(METRICS_PATH, methods=["GET", "HEAD"])
+    async def scrape(request: Request) -> Response:  # the registry --metrics-port serves
+        headers, content = render(metrics.registry, accept=request.headers.get("accept", ""),
+                                  accept_encoding=request.headers.get("accept-encoding", ""),
+                                  query=request.url.query)
+        return Response(content, headers=dict(headers))
 
     async def read_json(request: Request) -> Any:
         """A body as the chat route reads one: a queue place and a body slot while it comes, within
@@ -373,6 +461,30 @@ async def _read_body(request: Request, ticket: Ticket, config: HttpConfig) -> An
         return parse_json(raw, "the request body")
 
 
+async def _reply(reply: dict[str, Any] | AsyncIterator[str], stack: contextlib.AsyncExitStack) -> Response:
+    """A whole answer, or a stream whose first event (which waits for the prefill: its errors are
+    still a status, not a broken stream) has come; a later failure is an error event, then the end."""
+    if isinstance(reply, dict):
+        return JSONResponse(reply)
+    stack.push_async_callback(reply.aclose)  # the generation stops first, then the slot is given back
+    first = await anext(reply)
+
+    async def events() -> AsyncIterator[str]:
+        yield first
+        try:
+            async for line in reply:
+                yield line
+        except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
+            yield _sse(error_body(failure_for(exc)))
+            yield "data: [DONE]\n\n"
+
+    return _Stream(events(), stack)
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
 async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared, sink: VllmStorageSink | None,
                   keys: list[ItemKey] | None) -> dict[str, Any] | AsyncIterator[str]:
     """The reply: a `chat.completion` dict, or the stream's SSE lines (`stream: true`)."""
@@ -381,13 +493,13 @@ async def _answer(engine: Engine, request: ChatRequest, prepared: Prepared, sink
     if sink is not None and keys is not None:  # the files are the answer: nothing is sampled
         encoding = await engine.encode(prepared)
         return _encoded(encoding, await sink.deliver(engine, encoding, keys), model, reply_id, request)
-    if not request.stream:
+    if not request.streaming.stream:
         reply = Reply()
         async with contextlib.aclosing(engine.generate(prepared)) as items:
             async for item in items:
                 reply.add(item)
         return completion(reply, model=model, request_id=reply_id)
-    return _stream(engine, prepared, model, reply_id, request.include_usage)
+    return _stream(engine, prepared, model, reply_id, request.streaming)
 
 
 def _encoded(encoding: Encoding, delivery: Delivery, model: str, reply_id: str,
@@ -397,8 +509,8 @@ def _encoded(encoding: Encoding, delivery: Delivery, model: str, reply_id: str,
     reply = Reply()
     media_tokens = sum(e.num_tokens for e in encoding.embeddings)
     reply.add(Choice(0, GenerationResult("length", len(encoding.input_ids), media_tokens, 0)))
-    if request.stream:
-        return _one_chunk(reply, model, reply_id, request.include_usage)
+    if request.streaming.stream:
+        return _one_chunk(reply, model, reply_id, request.streaming.include_usage)
     body = completion(reply, model=model, request_id=reply_id)
     body["ec_transfer_params"] = delivery.transfer_params
     return body
@@ -409,23 +521,24 @@ async def _one_chunk(reply: Reply, model: str, reply_id: str, include_usage: boo
     usage = reply.usage() if include_usage else None
     part = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": reply.choices[0].finish_reason}
-    last = chunk([part], model=model, request_id=reply_id, created=int(time.time()), usage=usage)
-    yield f"data: {json.dumps(last)}\n\n"
+    yield _sse(chunk([part], model=model, request_id=reply_id, created=int(time.time()), usage=usage))
     yield "data: [DONE]\n\n"
 
 
 async def _stream(engine: Engine, prepared: Prepared, model: str, reply_id: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  streaming: Streaming) -> AsyncIterator[str]:
     """Each choice's chunks as its items come: the role first (as OpenAI streams begin), its deltas
-    (with the logprobs of their tokens), its finish reason; then the usage of all, then [DONE]."""
+    (with the logprobs of their tokens), its finish reason; then the usage of all, then [DONE].
+    With continuous usage, every chunk carries the usage so far."""
     created = int(time.time())
     reply = Reply()
+    counts = TokenCounts(len(prepared.prompt.ids))
 
-    def sse(choices: list[dict[str, Any]], **usage: Any) -> str:
-        body = chunk(choices, model=model, request_id=reply_id, created=created, **usage)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def sse(choices: list[dict[str, Any]]) -> str:
+        usage = counts.usage() if streaming.continuous_usage else None
+        return _sse(chunk(choices, model=model, request_id=reply_id, created=created, usage=usage))
 
-    async with contextlib.aclosing(engine.generate(prepared)) as items:
+    async with contextlib.aclosing(engine.generate(prepared, counts.add)) as items:
         async for item in items:
             if item.index not in reply.choices:
                 yield sse([{"index": item.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -433,6 +546,85 @@ async def _stream(engine: Engine, prepared: Prepared, model: str, reply_id: str,
             part = reply.add(item)
             if part is not None:
                 yield sse([part])
-    if include_usage:
-        yield sse([], usage=reply.usage())
+    if streaming.include_usage:
+        yield _sse(chunk([], model=model, request_id=reply_id, created=created, usage=reply.usage()))
+    yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's index; leaving early (or
+    one failing) closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as items:
+            async for item in items:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(k: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait((k, item))
+            queue.put_nowait((k, end))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            queue.put_nowait((k, exc))
+
+    tasks = [asyncio.create_task(pump(k, stream)) for k, stream in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _completions(engine: Engine, request: CompletionRequest, prepared: list[Prepared], echoes: list[str] | None,
+                       model: str) -> dict[str, Any] | AsyncIterator[str]:
+    """The reply to a completions request: a `text_completion` dict, or the stream's SSE lines.
+    Its prompts generate together, each in the trunk's batch as its own request."""
+    reply = CompletionReply(len(prepared), request.params.n, echoes)
+    counts = TokenCounts(sum(len(p.prompt.ids) for p in prepared))
+    items = _merged([engine.generate(p, counts.add) for p in prepared])
+    reply_id = new_id("cmpl")
+    if not request.streaming.stream:
+        async with contextlib.aclosing(items):
+            async for k, item in items:
+                reply.choice(k, item.index)[0].add(item.item)
+        return text_completion(reply, model=model, request_id=reply_id)
+    return _completion_stream(items, reply, counts, model, reply_id, request.streaming)
+
+
+async def _completion_stream(items: AsyncIterator[tuple[int, Choice]], reply: CompletionReply, counts: TokenCounts,
+                             model: str, reply_id: str, streaming: Streaming) -> AsyncIterator[str]:
+    """A choice's chunks as its items come (its prompt's text first, with echo); then the usage of
+    all, then [DONE]. With continuous usage, every chunk carries the usage so far."""
+    created = int(time.time())
+
+    def sse(choices: list[dict[str, Any]]) -> str:
+        usage = counts.usage() if streaming.continuous_usage else None
+        return _sse(chunk(choices, model=model, request_id=reply_id, created=created, usage=usage,
+                          kind="text_completion"))
+
+    async with contextlib.aclosing(items):
+        async for k, item in items:
+            choice, new = reply.choice(k, item.index)
+            if new and choice.text:
+                yield sse([{"index": choice.index, "text": choice.text, "logprobs": None, "finish_reason": None,
+                            "stop_reason": None}])
+            part = choice.add(item.item)
+            if part is not None:
+                yield sse([part])
+    if streaming.include_usage:
+        yield _sse(chunk([], model=model, request_id=reply_id, created=created, usage=reply.usage(),
+                         kind="text_completion"))
     yield "data: [DONE]\n\n"

@@ -1,18 +1,26 @@
-"""An OpenAI chat-completions request body -> what the engine takes.
+"""An OpenAI chat-completions or completions request body -> what the engine takes.
 
-The body is the one `POST /v1/chat/completions` receives and the one an OpenAI-batch line carries
-under `body`. Messages pass to the K3 chat template nearly as they are (it reads OpenAI messages:
-string or part-list content, assistant `tool_calls`, `reasoning_content`, tool results); each
-media part becomes `{"type": "image"}` and a `MediaRef` saying where its bytes are: an `image_url`
-part by the one image-part rule of every face (`service.media.image_url`: `url` and `detail`), a
-`video_url` part as a video item (which the engine's check refuses, as K3's processor does). The
-bytes are fetched afterwards, by the face that knows what it may read (`service.fetch`). The
-sampling parameters become `SamplingParams` here, once.
+A chat body is the one `POST /v1/chat/completions` receives and the one an OpenAI-batch line
+carries under `body`; a completions body (`parse_completion_request`) is `POST /v1/completions`'s:
+a prompt of text or token ids (one, or a list), with the same sampling parameters, read by the same
+code (`_generation`), and vLLM's completions extras (`echo`, `logprobs` as a count); vLLM's
+`/tokenize` and `/detokenize` bodies too. Messages pass to the K3 chat template nearly as they
+are (it reads OpenAI messages: string or part-list content, assistant `tool_calls`,
+`reasoning_content`, tool results); each media part becomes `{"type": "image"}` and a `MediaRef`
+saying where its bytes are: an `image_url` part by the one image-part rule of every face
+(`service.media.image_url`: `url` and `detail`), a `video_url` part as a video item (which the
+engine's check refuses, as K3's processor does). The bytes are fetched afterwards, by the face
+that knows what it may read (`service.fetch`). The sampling parameters become `SamplingParams`
+here, once.
 
 Every parameter a caller may send is either honoured (OpenAI's sampling parameters and vLLM's
-extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_tokens`, `ignore_eos`, ...),
-accepted at its neutral value (`parallel_tool_calls: true`), or refused with an error naming it:
-nothing is silently ignored. Here only the JSON types are checked; the ranges are `SamplingParams'`.
+extras: `stop`, `n`, `logprobs`, the penalties, `logit_bias`, `min_p`, `min_tokens`, `ignore_eos`,
+`allowed_token_ids`, `include_stop_str_in_output`, `spaces_between_special_tokens`, ...; `stream_options` with
+`include_usage` and `continuous_usage_stats`), accepted at its neutral value
+(`parallel_tool_calls: true`, `use_beam_search: false`), or refused with an error naming it:
+nothing is silently ignored. The parameters of vLLM's APIs that this trunk cannot honour
+(`prompt_logprobs`, `bad_words`, `structured_outputs`, ...) are refused by name like any other.
+Here only the JSON types are checked; the ranges are `SamplingParams'`.
 An EC producer, which samples nothing, takes every parameter of vLLM's chat API instead
 (`parse_producer_request`). `tools`, `tool_choice` and `response_format` must have OpenAI's shapes
 (those of the `openai` SDK's request types). JSON text a caller sends (an HTTP body, a gRPC JSON
@@ -29,18 +37,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.engine import ChatInput, SamplingParams
-from service.errors import BadRequest, Unsupported
+from service.errors import BadRequest, TooLarge, Unsupported
 from service.media import MediaRef, image_url, item_uuid
 from vision.media import Modality
 
 # Parameters that change the result and that the engine honours (besides messages and tools), by
 # JSON type; each is the `SamplingParams` field of the same name.
-NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INTEGERS = ("top_k", "n", "top_logprobs", "min_tokens")
-FLAGS = ("logprobs", "ignore_eos", "skip_special_tokens")
-SAMPLING = (*NUMBERS, *INTEGERS, *FLAGS, "seed", "stop", "stop_token_ids", "logit_bias")
-# Accepted at these values only (what the engine does anyway); another value is refused.
-NEUTRAL: dict[str, Any] = {"parallel_tool_calls": True}
+FLAGS = ("logprobs", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
+TOKEN_LISTS = ("stop_token_ids", "allowed_token_ids")
+SAMPLING = (*NUMBERS, *INTEGERS, *FLAGS, *TOKEN_LISTS, "seed", "stop", "logit_bias")
+# Accepted at these values only (what the engine does anyway); another value is refused. The
+# sampling ones are vLLM's (no beam search; every request has the one priority).
+NEUTRAL_SAMPLING: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+NEUTRAL: dict[str, Any] = {"parallel_tool_calls": True, **NEUTRAL_SAMPLING}
 # Accepted and without effect on the reply (who asked, what for).
 INERT = ("user", "metadata", "store", "service_tier")
 # OpenAI's own parameters that are chat-template keyword arguments (CHAT_KWARGS): passed to it as they are.
@@ -49,6 +60,15 @@ TEMPLATE = ("tool_choice", "response_format", "reasoning_effort")
 MEDIA_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO}
 KNOWN = {"messages", "model", "tools", "max_tokens", "max_completion_tokens", "stream", "stream_options",
          "chat_template_kwargs", *SAMPLING, *NEUTRAL, *INERT, *TEMPLATE}
+# A completions body: the chat's sampling, but `logprobs` is a count (OpenAI's completions shape)
+# and there is no top_logprobs. `suffix` is refused (no fill-in-the-middle here); echo and logprobs
+# together would need the prompt's logprobs, which are not computed.
+COMPLETION_KNOWN = {"prompt", "model", "max_tokens", "stream", "stream_options", "echo", "suffix", "add_special_tokens",
+                    *(set(SAMPLING) - {"top_logprobs"}), *NEUTRAL_SAMPLING, *INERT}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # vLLM's StreamOptions
+COMPLETION_MAX_TOKENS = 16  # max_tokens when absent, as OpenAI's and vLLM's completions (null: the room left)
+MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
+MAX_LOGPROBS = 20  # a completions `logprobs` count, as top_logprobs (vLLM's max_logprobs default)
 # -- OpenAI's shapes for tools, tool_choice and response_format (openai.types.chat) --------------
 
 Check = Callable[[Any, str], None]
@@ -195,13 +215,32 @@ PRODUCER_REFUSES = ("mm_processor_kwargs", "media_io_kwargs")
 
 
 @dataclass(frozen=True)
+class Streaming:
+    """How a reply goes out: whole, or as server-sent events (`stream`), with the usage in a last
+    chunk (`include_usage`) and then in every chunk too (`continuous_usage`, vLLM's
+    `continuous_usage_stats`, which takes effect with include_usage, as in vLLM)."""
+
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     chat: ChatInput  # the template's form: each media part is {"type": "image"}
     media: list[MediaRef]  # where each media part's bytes are, in the chat's order
     params: SamplingParams | None  # None for an EC producer, which samples nothing
     model: str | None = None
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    streaming: Streaming = Streaming()
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[str | list[int]]  # text, or token ids; each is a generation of its own
+    params: SamplingParams
+    model: str | None = None
+    streaming: Streaming = Streaming()
+    echo: bool = False  # each choice's text begins with its prompt's
 
 
 def _int(body: Mapping[str, Any], key: str, *, minimum: int | None = None, maximum: int = 2**31 - 1) -> int | None:
@@ -243,6 +282,39 @@ def _token_id(value: Any, key: str) -> int:
     return value
 
 
+def _streaming(body: Mapping[str, Any]) -> Streaming:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise BadRequest(f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options")
+    if options is None:
+        return Streaming(bool(stream))
+    _fields({}, dict.fromkeys(STREAM_OPTIONS, _optional_bool))(options, "stream_options")
+    if options and not stream:  # as vLLM
+        raise BadRequest("stream_options can only be given with stream: true")
+    usage = bool(options.get("include_usage"))
+    return Streaming(bool(stream), usage, usage and bool(options.get("continuous_usage_stats")))
+
+
+def _generation(body: Mapping[str, Any], default_max_tokens: int | None,
+                **fields: Any) -> tuple[SamplingParams, Streaming]:
+    """The sampling and the reply's form of a chat or completions body (`fields`: what the route
+    reads itself, as `SamplingParams` fields), the ranges checked before any image is fetched
+    (`max_tokens` null or absent without a default: the room the model length leaves)."""
+    for key, neutral in NEUTRAL.items():
+        value = body.get(key)
+        if value not in (None, neutral):
+            raise Unsupported(f"{key}={value!r} is not supported (only {neutral!r})")
+    max_tokens = _int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", minimum=1)
+    if max_tokens is None and "max_tokens" not in body:
+        max_tokens = default_max_tokens
+    read = {key: value for key, value in body.items() if key not in fields}
+    params = SamplingParams(**(sampling_options(read) | fields), max_new_tokens=max_tokens)
+    return params, _streaming(body)
+
+
 def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
     """The sampling parameters `body` sets, as `SamplingParams` fields (types checked here)."""
     out: dict[str, Any] = {key: value for key in NUMBERS if (value := _number(body, key)) is not None}
@@ -257,11 +329,12 @@ def sampling_options(body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}")
         out["stop"] = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list):
-            raise BadRequest(f"stop_token_ids must be a list of token ids, got {ids!r}")
-        out["stop_token_ids"] = [_token_id(i, "stop_token_ids") for i in ids]
+    for key in TOKEN_LISTS:
+        ids = body.get(key)
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise BadRequest(f"{key} must be a list of token ids, got {ids!r}")
+            out[key] = [_token_id(i, key) for i in ids]
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, Mapping):
@@ -314,10 +387,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(KNOWN)}")
-    for key, neutral in NEUTRAL.items():
-        value = body.get(key)
-        if value not in (None, neutral):
-            raise Unsupported(f"{key}={value!r} is not supported (only {neutral!r})")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
@@ -325,27 +394,72 @@ def parse_chat_request(body: Any) -> ChatRequest:
     template_messages = [_message(m, i, media) for i, m in enumerate(messages)]
     tools = body.get("tools")
     _check_tools(tools, body.get("tool_choice"), body.get("response_format"))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"model must be a string, got {model!r}")
-    max_tokens = _int(body, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", minimum=1)
-    # the ranges (a SamplingError), before any image is fetched (max_tokens absent: the model length's)
-    params = SamplingParams(**sampling_options(body), max_new_tokens=max_tokens)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool | None):
-        raise BadRequest(f"stream must be true or false, got {stream!r}")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping):
-        raise BadRequest("stream_options must be an object")
+    model = _model(body)
+    params, streaming = _generation(body, None)
     chat_kwargs = {key: body[key] for key in TEMPLATE if body.get(key) is not None}
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, Mapping):
         raise BadRequest("chat_template_kwargs must be an object")
     chat_kwargs.update(extra)  # every keyword argument the template takes, as vLLM passes them (ChatInput checks)
-    return ChatRequest(ChatInput(template_messages, tools, chat_kwargs), media, params, model, bool(stream),
-                       bool(options.get("include_usage")))
+    return ChatRequest(ChatInput(template_messages, tools, chat_kwargs), media, params, model, streaming)
+
+
+def _model(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {model!r}")
+    return model
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """vLLM's four prompt forms (a string, strings, token ids, lists of token ids) as a list of
+    prompts; ids are checked against the vocabulary when each is prepared."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids, and not empty")
+    if _is_ids(prompt):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise TooLarge(f"prompt holds {len(prompt)} prompts; this server takes at most {MAX_PROMPTS} per request")
+    for i, one in enumerate(prompt):
+        if isinstance(one, Mapping):
+            raise Unsupported(f"prompt[{i}] is an object; a completions prompt is text or token ids. Images are a "
+                              "chat feature: send them as image_url parts to /v1/chat/completions")
+        if not (isinstance(one, str) or _is_ids(one)):
+            raise BadRequest(f"prompt[{i}] must be a string or a list of token ids, got {_json_type(one)}")
+    if len({isinstance(one, str) for one in prompt}) > 1:
+        raise BadRequest("prompt must hold strings or lists of token ids, not both")
+    return list(prompt)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Check a completions body: its prompts, and its sampling and reply's form as a chat body's.
+    Raises BadRequest / TooLarge / Unsupported / SamplingError naming the field."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - COMPLETION_KNOWN)
+    if unknown:
+        raise Unsupported(f"unsupported parameter(s) {unknown}; this server takes {sorted(COMPLETION_KNOWN)}")
+    if body.get("suffix") is not None:
+        raise Unsupported("suffix is not supported: Kimi-K3 has no fill-in-the-middle; send the prompt alone")
+    if "prompt" not in body:
+        raise BadRequest("prompt is required")
+    prompts = _prompts(body["prompt"])
+    echo = _flag(body, "echo") or False
+    _flag(body, "add_special_tokens")  # true or false alike: this tokenizer adds no special tokens to text
+    count = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if echo and count is not None:
+        raise Unsupported("echo with logprobs needs the prompt's logprobs, which this server does not compute; "
+                          "drop one of them")
+    fields = {} if count is None else {"logprobs": True, "top_logprobs": count}
+    params, streaming = _generation(body, COMPLETION_MAX_TOKENS, **fields)
+    return CompletionRequest(prompts, params, _model(body), streaming, echo)
 
 
 def parse_producer_request(body: Any) -> ChatRequest:
@@ -368,3 +482,75 @@ def parse_producer_request(body: Any) -> ChatRequest:
                           "this encoder publishes files for the shared-storage connector (ECExampleConnector)")
     request = parse_chat_request({key: body[key] for key in PRODUCER_READS if key in body})
     return dataclasses.replace(request, params=None)
+
+
+# vLLM's /tokenize: a prompt, or chat messages (rendered as a chat request's are).
+TOKENIZE_PROMPT_KNOWN = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_KNOWN = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                       "tools", "chat_template_kwargs", "return_token_strs"}
+TOKENIZE_NEUTRAL: dict[str, Any] = {"return_token_strs": False, "continue_final_message": False}
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str | None  # a prompt's text, or
+    chat: ChatInput | None  # a chat, its media beside it
+    media: list[MediaRef]
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    """vLLM's tokenize request: `prompt` (text, as a completion's prompt is read) or `messages`
+    (a chat, its images counted from their headers), never both."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+        raise BadRequest("give prompt (text) or messages (a chat), one of them")
+    known = TOKENIZE_CHAT_KNOWN if chat else TOKENIZE_PROMPT_KNOWN
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise Unsupported(f"unsupported parameter(s) {unknown}; /tokenize takes {sorted(known)}")
+    for key, neutral in TOKENIZE_NEUTRAL.items():
+        if body.get(key) not in (None, neutral):
+            raise Unsupported(f"{key}={body[key]!r} is not supported (only {neutral!r})")
+    _flag(body, "add_special_tokens")  # true or false alike: this tokenizer adds no special tokens
+    model = _model(body)
+    if not chat:
+        if not isinstance(body["prompt"], str):
+            raise BadRequest(f"prompt must be a string, got {_json_type(body['prompt'])}")
+        return TokenizeRequest(body["prompt"], None, [], model)
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    media: list[MediaRef] = []
+    template_messages = [_message(m, i, media) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    _check_tools(tools, None, None)
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise BadRequest("chat_template_kwargs must be an object")
+    kwargs = dict(extra)
+    generation_prompt = _flag(body, "add_generation_prompt")
+    if generation_prompt is not None:
+        kwargs["add_generation_prompt"] = generation_prompt
+    return TokenizeRequest(None, ChatInput(template_messages, tools, kwargs), media, model)
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    """vLLM's detokenize request: `tokens`, the ids (in the vocabulary is the engine's check)."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise Unsupported(f"unsupported parameter(s) {unknown}; /detokenize takes ['model', 'tokens']")
+    tokens = body.get("tokens")
+    if not _is_ids(tokens):
+        raise BadRequest("tokens must be a list of token ids (integers)")
+    return DetokenizeRequest(tokens, _model(body))

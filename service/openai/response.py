@@ -1,4 +1,4 @@
-"""Engine results -> OpenAI chat-completions objects, in vLLM's shape.
+"""Engine results -> OpenAI chat-completions and completions objects, in vLLM's shape.
 
 `Reply` gathers what `Engine.generate` yields for one request: one `ChoiceReply` per choice (its
 content, the reasoning text in `reasoning`, the field vLLM's OpenAI server uses for it, tool calls,
@@ -6,7 +6,12 @@ the `logprobs.content` entries when asked for, the finish reason) and the usage 
 media_pad expansion, once; completion tokens of all choices). `completion` makes the
 `chat.completion` body; `chunk` one `chat.completion.chunk` of a stream (`Reply.add` gives the
 chunk's choice for each item); `error_body` the error object, with the status the error taxonomy
-gives.
+gives. `CompletionReply` is the same for `/v1/completions` (`text_completion`): one choice per
+prompt and n (index `prompt * n + i`, as vLLM's), its text (after its prompt's with `echo`) and
+its logprobs in OpenAI's completions shape (`tokens`, `token_logprobs`, `top_logprobs` holding the
+chosen token and the most likely ones, `text_offset`), and vLLM's `stop_reason` (the stop string or
+stop token id that ended it; null for <|end_of_msg|> or the length). `TokenCounts` is a stream's usage so far
+(vLLM's `continuous_usage_stats`).
 """
 
 from __future__ import annotations
@@ -145,13 +150,114 @@ def completion(reply: Reply, *, model: str, request_id: str, created: int | None
 
 
 def chunk(choices: list[dict[str, Any]], *, model: str, request_id: str, created: int,
-          usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """A `chat.completion.chunk` object (no choice at all: the usage chunk)."""
-    out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+          usage: dict[str, int] | None = None, kind: str = "chat.completion.chunk") -> dict[str, Any]:
+    """A `chat.completion.chunk` object, or a streamed `text_completion` (`kind`); no choice at
+    all: the usage chunk."""
+    out: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model,
                            "choices": choices}
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+@dataclass
+class TokenCounts:
+    """A request's usage while it streams: its prompts' tokens, and each output token as the
+    engine reports it (`add`, the `counted` of `Engine.generate`)."""
+
+    prompt: int
+    completion: int = 0
+
+    def add(self, _index: int) -> None:
+        self.completion += 1
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion}
+
+
+@dataclass
+class CompletionChoiceReply:
+    """One completion choice: its text, its tokens' logprobs when asked for, its result."""
+
+    index: int
+    text: str = ""
+    logprobs: dict[str, list[Any]] | None = None
+    result: GenerationResult | None = None
+    _offset: int = 0  # the next token's text_offset
+    _unsent: int = 0  # logprobs entries not yet in a chunk
+
+    def add(self, item: p.Event | Logprobs | GenerationResult) -> dict[str, Any] | None:
+        """Take one item; return its streaming choice, or None (nothing to send yet)."""
+        if isinstance(item, Logprobs):
+            self._add_logprobs(item)
+            return None
+        if isinstance(item, GenerationResult):
+            self.result = item
+            return self._part("", item.finish_reason)
+        if isinstance(item, p.ContentDelta):
+            self.text += item.text
+            return self._part(item.text, None)
+        return None  # a completion's decoder writes nothing else
+
+    def _add_logprobs(self, item: Logprobs) -> None:
+        if self.logprobs is None:
+            self.logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        token, _ = item.text(item.chosen)
+        top = {token: max(item.chosen.logprob, LOGPROB_FLOOR)}
+        for entry in item.top:
+            top.setdefault(item.text(entry)[0], max(entry.logprob, LOGPROB_FLOOR))
+        for key, value in (("text_offset", self._offset), ("token_logprobs", top[token]), ("tokens", token),
+                           ("top_logprobs", top)):
+            self.logprobs[key].append(value)
+        self._offset += len(token)
+        self._unsent += 1
+
+    def _part(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = {key: values[len(values) - self._unsent:] for key, values in self.logprobs.items()}
+            self._unsent = 0
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": self.result.stop_reason if finish_reason else None}
+
+    def as_choice(self) -> dict[str, Any]:
+        assert self.result is not None, "the choice has not finished"
+        return {"index": self.index, "text": self.text, "logprobs": self.logprobs,
+                "finish_reason": self.result.finish_reason, "stop_reason": self.result.stop_reason}
+
+
+@dataclass
+class CompletionReply:
+    """All choices of one completions request: `prompts` prompts, `n` choices each; with `echoes`,
+    each choice's text begins with its prompt's."""
+
+    prompts: int
+    n: int
+    echoes: list[str] | None = None
+    choices: dict[int, CompletionChoiceReply] = field(default_factory=dict)
+
+    def choice(self, prompt: int, index: int) -> tuple[CompletionChoiceReply, bool]:
+        """The choice of reply `index` of prompt `prompt`, and whether it is new."""
+        at = prompt * self.n + index
+        if at in self.choices:
+            return self.choices[at], False
+        self.choices[at] = CompletionChoiceReply(at, self.echoes[prompt] if self.echoes else "")
+        return self.choices[at], True
+
+    def usage(self) -> dict[str, int]:
+        assert len(self.choices) == self.prompts * self.n and all(c.result for c in self.choices.values()), \
+            "the generation has not finished"
+        prompt = sum(self.choices[k * self.n].result.prompt_tokens for k in range(self.prompts))
+        completion_tokens = sum(c.result.completion_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+
+def text_completion(reply: CompletionReply, *, model: str, request_id: str) -> dict[str, Any]:
+    """A `text_completion` object, its choices indexed 0..prompts*n-1."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [reply.choices[i].as_choice() for i in sorted(reply.choices)], "usage": reply.usage()}
 
 
 def error_body(failure: Failure) -> dict[str, Any]:

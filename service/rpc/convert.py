@@ -114,7 +114,10 @@ def sampling(request: pb.GenerateRequest) -> SamplingParams:
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias),
-        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True)
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True, min_p=s.min_p,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        spaces_between_special_tokens=(s.spaces_between_special_tokens if s.HasField("spaces_between_special_tokens")
+                                       else True), allowed_token_ids=tuple(s.allowed_token_ids) or None)
 
 
 def out_dtype(name: str) -> str:
