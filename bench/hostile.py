@@ -54,6 +54,12 @@ connections, each with the statuses it must get (`EXPECTED`; a gRPC kind's are s
   SERVING); bytes that are not protobuf to every method of every service on both ports
   (INVALID_ARGUMENT, a round every 3 s); 200 idle connections to /metrics at a time (over its 128),
   a scrape beside them (200), each closed by the server within its idle timeout + 1 s.
+- issue 32, the routes vLLM serves: `/v1/completions`, `/tokenize`, `/detokenize`, `/version` and
+  `/metrics` on the HTTP port, each refused case with the status it must get (bad prompts, token
+  ids out of range, 1,025 prompts: 413, `suffix`, an image or `<|media_pad|>` in a prompt, unknown
+  `stream_options` keys, `echo` with `logprobs`, an unknown model: 404, a wrong method: 405, no
+  token: 401), and a few that must answer 200 (a 2-token completion, a prompt tokenized and
+  detokenized, `/version`, a scrape), a round every 3 s.
 
 Checks (exit 1 if one fails): the normal requests' p99 in the abusive run within 2x the
 baseline's; no 5xx answer at all (normal or abusive, either phase; the producer's too); every
@@ -148,6 +154,7 @@ EXPECTED: dict[str, set[int | str]] = {
     "uuid": {400}, "ec_entry": {400}, "framing": {400}, "log_forging": {401},
     "health_watch": {"SERVING", "RESOURCE_EXHAUSTED"}, "health_check": {"SERVING"},
     "not_protobuf": {"INVALID_ARGUMENT"}, "metrics_idle": {"closed"}, "metrics_scrape": {200},
+    "vllm_routes_refused": {400, 401, 404, 405, 413}, "vllm_routes_ok": {200},
 }
 # Outcomes a kind must have seen, not only been allowed: a Watch flood that never met a bound proves nothing.
 REQUIRED: dict[str, set[int | str]] = {"health_watch": {"SERVING", "RESOURCE_EXHAUSTED"}}
@@ -521,6 +528,62 @@ async def _uuids(run: Run) -> None:
                 await asyncio.sleep(PROBE_ROUND_S / len(BAD_UUIDS))
 
 
+# Issue 32's routes: (method, path, body, the status it must get; `None` body: none sent).
+IMAGE_PROMPT = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+VLLM_ROUTES_REFUSED: list[tuple[str, str, Any, int]] = [
+    ("POST", "/v1/completions", b"not json", 400),
+    ("POST", "/v1/completions", [], 400),
+    ("POST", "/v1/completions", {"prompt": None}, 400),
+    ("POST", "/v1/completions", {"prompt": [[]]}, 400),
+    ("POST", "/v1/completions", {"prompt": [-1]}, 400),
+    ("POST", "/v1/completions", {"prompt": [2**70]}, 400),
+    ("POST", "/v1/completions", {"prompt": ["a", [1]]}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),
+    ("POST", "/v1/completions", {"prompt": ["x"] * 1025}, 413),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400),
+    ("POST", "/v1/completions", {"prompt": IMAGE_PROMPT}, 400),
+    ("POST", "/v1/completions", {"prompt": "<|media_pad|>"}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"bogus_key": 1}}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404),
+    ("GET", "/v1/completions", None, 405),
+    ("POST", "/tokenize", {}, 400),
+    ("POST", "/tokenize", {"prompt": 5}, 400),
+    ("POST", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400),
+    ("POST", "/tokenize", {"messages": "hi"}, 400),
+    ("POST", "/detokenize", {"tokens": [2**40]}, 400),
+    ("POST", "/detokenize", {"tokens": "abc"}, 400),
+    ("POST", "/version", None, 405),
+    ("DELETE", "/metrics", None, 405),
+]
+VLLM_ROUTES_OK: list[tuple[str, str, Any, int]] = [
+    ("POST", "/v1/completions", {"prompt": "Say hi.", "max_tokens": 2}, 200),
+    ("POST", "/tokenize", {"prompt": "Say hi."}, 200),
+    ("POST", "/detokenize", {"tokens": [1, 2, 3]}, 200),
+    ("GET", "/version", None, 200),
+    ("GET", "/metrics", None, 200),
+]
+
+
+async def _vllm_routes(run: Run) -> None:
+    """Each case's status must be its own: another allowed status for another case still fails."""
+    cases = [("vllm_routes_refused", case) for case in VLLM_ROUTES_REFUSED]
+    cases += [("vllm_routes_ok", case) for case in VLLM_ROUTES_OK]
+    async with httpx.AsyncClient(base_url=run.base, timeout=60, headers=AUTH) as client, \
+            httpx.AsyncClient(base_url=run.base, timeout=60) as stranger:
+        while run.running():
+            for kind, (method, path, body, status) in cases:
+                content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+                got = (await client.request(method, path, content=content)).status_code
+                wrong = f"{got} for {method} {path} (expected {status})"
+                run.count(kind, got if got == status or got >= 500 else wrong)  # a 5xx stays a number: no_5xx sees it
+                await asyncio.sleep(PROBE_ROUND_S / (len(cases) + 1))
+            got = (await stranger.post("/v1/completions", json={"prompt": "x"})).status_code
+            run.count("vllm_routes_refused", got if got == 401 else f"{got} without the token (expected 401)")
+
+
 def _producer_post(base: str, data: bytes, uuid: str | None = None) -> httpx.Response:
     part: dict[str, Any] = {"type": "image_url", "image_url": {"url": _data_url(data)}}
     if uuid is not None:
@@ -743,7 +806,8 @@ def _abusive_kinds(run: Run, oversized: list[tuple[str, bytes]]) -> list[Corouti
     kinds: list[Callable[[Run], Coroutine]] = [
         *[_slow_head] * 8, *[_slow_body] * 2, _large_body, _over_long, _slow_images, _made_up_methods,
         _epd_destinations, _epd_registrations, _epd_error_reports, _epd_black_hole_pushes,
-        _uuids, _ec_entries, _framing, _log_forging, _health_watches, _not_protobuf, _metrics_idle]
+        _uuids, _ec_entries, _framing, _log_forging, _health_watches, _not_protobuf, _metrics_idle,
+        _vllm_routes]
     return [kind(run) for kind in kinds] + [_epd_oversized(run, oversized)]
 
 
