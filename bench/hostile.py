@@ -96,7 +96,6 @@ import statistics
 import string
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -122,6 +121,7 @@ from service.epd.sglang_zmq import (
 from service.metrics import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.health import MAX_WATCHES, MAX_WATCHES_PER_CONNECTION, RELEASE_AFTER_WATCHES, RELEASE_DELAY_S
+from tests.black_hole import CALLER, OTHER_HOST, STRANGER, Recorder
 from tests.image_upstream import ImageUpstream
 from tests.serve_process import ServeProcess
 
@@ -141,7 +141,6 @@ PROBE_ROUND_S = 3.0
 CLOSED_WITHIN_S = 1.0  # after a framing 400 the server closes at once (LINGER_S, 2 s, is for a body still coming)
 TOKEN = secrets.token_urlsafe(24)
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-CALLER, OTHER_HOST, STRANGER = "127.0.0.1", "127.0.0.2", "127.0.0.3"
 DROPPED_REPORTS = "error reports to the language side dropped"  # the server's warning once MAX_ERROR_PUSHES are in use
 
 # What each abusive kind must get; anything else fails the run. HTTP kinds: statuses; gRPC kinds:
@@ -213,33 +212,6 @@ class Phase:
     watch_floods: list[dict] = field(default_factory=list)  # the big Watch floods' outcomes
     log_from: int = 0  # where the server's log stood when the phase began (characters)
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the phase: the server's, the bench's
-
-
-class Recorder:
-    """A TCP listener that records each connection's peer and never reads one (a black hole)."""
-
-    def __init__(self, host: str = CALLER) -> None:
-        self._sock = socket.socket()
-        self._sock.bind((host, 0))
-        self._sock.listen(1024)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self.peers: list[tuple[str, int]] = []
-        self._held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            self.peers.append(peer)
-            self._held.append(conn)
-
-    def close(self) -> None:
-        self._sock.close()
-        for conn in self._held:
-            conn.close()
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from black_hole import CALLER, OTHER_HOST, STRANGER, Recorder
 from images import png
 from serve_process import ServeProcess, serve_command
 
@@ -36,45 +37,11 @@ from service.epd.destinations import DestinationRule
 from service.epd.sglang_zmq import MAX_ERROR_PUSHES, MAX_PARTS, MAX_PORTS
 
 pytestmark = pytest.mark.timeout(600)
-CALLER, OTHER_HOST, STRANGER = "127.0.0.1", "127.0.0.2", "127.0.0.3"
 PNG = png(64, 48, seed=3)
 
 
 def _url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-class Recorder:
-    """A TCP listener that records each connection's peer and never reads (a black hole)."""
-
-    def __init__(self, host: str = CALLER) -> None:
-        self._sock = socket.socket()
-        self._sock.bind((host, 0))
-        self._sock.listen(1024)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self.peers: list[tuple[str, int]] = []
-        self._held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            self.peers.append(peer)
-            self._held.append(conn)
-
-    def close(self) -> None:
-        self._sock.close()
-        for conn in self._held:
-            conn.close()
-
-    def __enter__(self) -> Recorder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _request(path: str, body: bytes) -> bytes:
