@@ -133,9 +133,9 @@ class _Trunk:
             return
         load = self.source()
         for name, text, value in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", load.running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load.waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", load.kv_cache_usage)):
+                ("vllm:num_requests_running", "Trunk sequences admitted: decoding or prefilling.", load.running),
+                ("vllm:num_requests_waiting", "Trunk sequences queued, preempted ones too.", load.waiting),
+                ("vllm:kv_cache_usage_perc", "Share of the KV pool's blocks in use, 0 to 1.", load.kv_cache_usage)):
             gauge = GaugeMetricFamily(name, text, labels=VLLM_LABELS)
             gauge.add_metric([self.model_name, VLLM_ENGINE], value)
             yield gauge
@@ -208,13 +208,14 @@ class Metrics:
         self._trunk = _Trunk()
         r.register(self._trunk)
         self._vllm = (
-            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS, registry=r),
-            Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS, registry=r),
-            Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            Counter("vllm:prompt_tokens", "Prompt tokens of ended generations (media_pad expanded).", VLLM_LABELS,
+                    registry=r),
+            Counter("vllm:generation_tokens", "Tokens the generations that ended sampled.", VLLM_LABELS, registry=r),
+            Histogram("vllm:time_to_first_token_seconds", "A generation's start in the engine to its first token.",
                       VLLM_LABELS, buckets=VLLM_TTFT_BUCKETS, registry=r),
-            Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            Histogram("vllm:inter_token_latency_seconds", "Between one sampled token of a sequence and its next.",
                       VLLM_LABELS, buckets=VLLM_ITL_BUCKETS, registry=r),
-            Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            Histogram("vllm:e2e_request_latency_seconds", "From a generation's start in the engine to its end.",
                       VLLM_LABELS, buckets=VLLM_E2E_BUCKETS, registry=r))
 
     def read_workers(self, source: Callable[[], dict[str, Any]]) -> None:
