@@ -93,6 +93,14 @@ class Encoding:
         return self.prompt.spans if self.prompt is not None else []
 
 
+@dataclass
+class _Flight:
+    """One item's encode under way and how many calls wait for it."""
+
+    task: asyncio.Future[MediaEmbedding]
+    waiters: int = 0
+
+
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, pool: EncoderPool,
                  model: KimiLinearForCausalLM | None = None, metrics: Metrics | None = None) -> None:
@@ -109,6 +117,7 @@ class Engine:
         self.model = model
         self.metrics = metrics or Metrics()
         self.cache: EmbedCache[MediaEmbedding] = EmbedCache(config.cache_bytes)
+        self._flights: dict[str, _Flight] = {}  # encodes under way, by content key (`_encoded`)
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
         self.scheduler: Scheduler | None = None
         max_model_len = config.max_model_len  # None without the trunk: nothing is generated
@@ -230,9 +239,10 @@ class Engine:
         rows (a list of items is checked and prepared first).
 
         Cache hits are served as they are; each distinct missing item is queued on the pool, so the
-        items spread over the workers. If the call is cancelled (a deadline, a client gone) or one
-        item fails, the items still waiting in the pool are withdrawn (not encoded); one a worker has
-        already started runs to the end."""
+        items spread over the workers, and an item already being encoded for another call is waited
+        for, not encoded again (single flight, `_encoded`). If the call is cancelled (a deadline, a
+        client gone) or one item fails, the items no other call waits for and still queued in the
+        pool are withdrawn (not encoded); one a worker has already started runs to the end."""
         prepared = request if isinstance(request, Prepared) else await self.prepare(self.check(request), request)
         if not prepared.media:
             return []
@@ -249,16 +259,7 @@ class Engine:
                 found[planned.key] = dataclasses.replace(hit, cached=True)
         if missing:
             with tracing.span("encode", images=len(missing)):
-                rows = await self._encode(list(missing.values()))
-            for planned, r in zip(missing.values(), rows, strict=True):
-                plan = planned.plan
-                if r.shape[0] != plan.num_tokens:
-                    raise EncodeError(f"{planned.item.where or 'image'}: the encoder gave {r.shape[0]} rows for "
-                                      f"{plan.num_tokens} tokens")
-                found[planned.key] = MediaEmbedding(planned.key, r, plan.grid_thw, plan.num_tokens, plan.prompt,
-                                                    plan.orig_size)
-                self.cache.put(planned.key, found[planned.key])
-            self.metrics.cache_bytes.set(self.cache.nbytes)
+                found.update(await self._encoded(missing))
         out = [found[planned.key] for planned in prepared.media]
         self.metrics.tokens.labels(kind="image").inc(sum(e.num_tokens for e in out))
         return out
@@ -325,6 +326,51 @@ class Engine:
         series.prompt_tokens.inc(len(prepared.prompt.ids))
         series.generation_tokens.inc(completion)
         series.e2e_request_latency.observe(time.perf_counter() - start)
+
+    async def _encoded(self, missing: dict[str, PlannedMedia]) -> dict[str, MediaEmbedding]:
+        """Each missing item's embedding, one encode per key however many requests want it at once
+        (single flight): the encode is a task of its own, so a caller that leaves (or whose other
+        item failed) does not fail the others waiting for it; it is withdrawn once no one waits."""
+        flights = [self._flight(key, planned) for key, planned in missing.items()]
+        for flight in flights:
+            flight.waiters += 1
+        try:
+            embeddings = await asyncio.gather(*(asyncio.shield(flight.task) for flight in flights))
+        finally:
+            for flight in flights:
+                flight.waiters -= 1
+                if flight.waiters == 0 and not flight.task.done():
+                    flight.task.cancel()
+        return dict(zip(missing, embeddings, strict=True))
+
+    def _flight(self, key: str, planned: PlannedMedia) -> _Flight:
+        """The encode of `key` under way on this event loop, else a new one."""
+        flight = self._flights.get(key)
+        if flight is not None and flight.task.get_loop() is asyncio.get_running_loop():
+            return flight
+        flight = _Flight(asyncio.ensure_future(self._encode_item(planned)))
+        self._flights[key] = flight
+        flight.task.add_done_callback(lambda task: self._landed(key, flight))
+        return flight
+
+    def _landed(self, key: str, flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        if not flight.task.cancelled():
+            flight.task.exception()  # its callers heard it; retrieved, so no "never retrieved" warning
+
+    async def _encode_item(self, planned: PlannedMedia) -> MediaEmbedding:
+        """One item through the pool, checked and cached (here, so a flight whose first caller left
+        still fills the cache for the rest)."""
+        (rows,) = await self._encode([planned])
+        plan = planned.plan
+        if rows.shape[0] != plan.num_tokens:
+            raise EncodeError(f"{planned.item.where or 'image'}: the encoder gave {rows.shape[0]} rows for "
+                              f"{plan.num_tokens} tokens")
+        embedding = MediaEmbedding(planned.key, rows, plan.grid_thw, plan.num_tokens, plan.prompt, plan.orig_size)
+        self.cache.put(planned.key, embedding)
+        self.metrics.cache_bytes.set(self.cache.nbytes)
+        return embedding
 
     async def _encode(self, missing: list[PlannedMedia]) -> list[torch.Tensor]:
         """Each item's rows from the pool, queued off the event loop (a large item's bytes are copied
