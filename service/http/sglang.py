@@ -82,11 +82,15 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _within_bound(req_id: str) -> bool:
+    return len(req_id.encode("utf-8", "surrogatepass")) <= MAX_REQ_ID_BYTES
+
+
 def _req_id_of(fields: Mapping) -> str:
     req_id = fields.get("req_id")
     if not isinstance(req_id, str) or not req_id:
         raise BadRequest("missing or invalid req_id")
-    if len(req_id.encode("utf-8", "surrogatepass")) > MAX_REQ_ID_BYTES:
+    if not _within_bound(req_id):
         raise BadRequest(f"req_id is over {MAX_REQ_ID_BYTES} bytes")
     return req_id
 
@@ -159,8 +163,7 @@ def _error(failure: Failure, req_id: Any) -> Response:
 def _req_id(body: Any) -> str | None:
     """The body's req_id as an answer echoes it (not one over the bound)."""
     req_id = body.get("req_id") if isinstance(body, Mapping) else None
-    fits = isinstance(req_id, str) and len(req_id.encode("utf-8", "surrogatepass")) <= MAX_REQ_ID_BYTES
-    return req_id if fits else None
+    return req_id if isinstance(req_id, str) and _within_bound(req_id) else None
 
 
 def _probe_png() -> bytes:
