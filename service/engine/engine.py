@@ -360,9 +360,29 @@ class Engine:
             flight.task.exception()  # its callers heard it; retrieved, so no "never retrieved" warning
 
     async def _encode_item(self, planned: PlannedMedia) -> MediaEmbedding:
-        """One item through the pool, checked and cached (here, so a flight whose first caller left
-        still fills the cache for the rest)."""
-        (rows,) = await self._encode([planned])
+        """One item through the pool (queued off the event loop: a large item's bytes are copied into
+        shared memory; withdrawn if still queued when the flight is cancelled), checked and cached
+        (here, so a flight whose first caller left still fills the cache for the rest)."""
+        submitted: list[concurrent.futures.Future] = []
+        abandoned = threading.Event()
+
+        def submit() -> concurrent.futures.Future:
+            future = self.pool.submit(planned.item, planned.plan)
+            submitted.append(future)  # before the check: a cancel now finds it in `submitted`
+            if abandoned.is_set():
+                future.cancel()
+            return future
+
+        try:
+            future = await self.run_cpu(submit)
+            # A worker refuses pixels the header did not show: named and counted as a header refusal is.
+            with named_refusal(planned.item, self.metrics):
+                rows = await asyncio.wrap_future(future)
+        except BaseException:  # no one will use the rows: stop the work if it has not started
+            abandoned.set()
+            for queued in submitted:
+                queued.cancel()
+            raise
         plan = planned.plan
         if rows.shape[0] != plan.num_tokens:
             raise EncodeError(f"{planned.item.where or 'image'}: the encoder gave {rows.shape[0]} rows for "
@@ -372,30 +392,3 @@ class Engine:
         self.metrics.cache_bytes.set(self.cache.nbytes)
         return embedding
 
-    async def _encode(self, missing: list[PlannedMedia]) -> list[torch.Tensor]:
-        """Each item's rows from the pool, queued off the event loop (a large item's bytes are copied
-        into shared memory); the ones still queued are withdrawn if the caller gives up."""
-        queued: list[concurrent.futures.Future] = []
-        abandoned = threading.Event()
-
-        def submit(planned: PlannedMedia) -> concurrent.futures.Future:
-            future = self.pool.submit(planned.item, planned.plan)
-            queued.append(future)  # before the check: a caller giving up now finds it in `queued`
-            if abandoned.is_set():
-                future.cancel()
-            return future
-
-        async def encoded(planned: PlannedMedia, future: concurrent.futures.Future) -> torch.Tensor:
-            # A worker refuses pixels the header did not show: named and counted as a header refusal is.
-            with named_refusal(planned.item, self.metrics):
-                return await asyncio.wrap_future(future)
-
-        try:
-            futures = await asyncio.gather(*(self.run_cpu(submit, planned) for planned in missing))
-            return await asyncio.gather(*(encoded(planned, future)
-                                          for planned, future in zip(missing, futures, strict=True)))
-        except BaseException:  # the caller will not use the other items: stop their work
-            abandoned.set()
-            for future in queued:
-                future.cancel()
-            raise
