@@ -114,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
             status = 2
             continue
         key = _unique_key(name, used)
-        tensors[key] = result.rows.to(dtype).contiguous()
+        # a copy: one image named twice shares one encode's rows (single flight), and safetensors refuses
+        # tensors that share memory
+        tensors[key] = result.rows.to(dtype, copy=True).contiguous()
         hashes[key] = vllm_key
         meta[key] = {"grid_thw": list(result.grid_thw), "tokens": result.num_tokens, "prompt": result.prompt}
         print(f"{key}: {result.num_tokens} tokens -> {list(result.rows.shape)} "
