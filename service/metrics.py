@@ -103,10 +103,16 @@ class _EncoderWorkers:
         restarts = CounterMetricFamily("kimi_vision_encoder_worker_restarts",
                                        "Encoder worker restarts (after a crash or kill) by worker.",
                                        labels=["worker", "device"])
+        # What the tower ran: an image served from a cache or the shared store is not counted here.
+        images = CounterMetricFamily("kimi_vision_encoder_images",
+                                     "Images an encoder worker answered (its tower ran), by worker.",
+                                     labels=["worker", "device"])
         for w in workers:
             restarts.add_metric([str(w["index"]), w["device"]], w["restarts"])
+            images.add_metric([str(w["index"]), w["device"]], w["answered"])
         yield ready
         yield restarts
+        yield images
 
 
 class TrunkLoad(NamedTuple):
