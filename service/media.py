@@ -9,43 +9,24 @@ preprocessing this encoder does not do, and an ignored option would give rows th
 ask for.
 
 An item's `uuid` (vLLM's field: the client's own id for it) names a directory in a vLLM
-encoder-cache export (`service.epd.vllm_storage`), so one rule, `UUID_RULE`, says what a uuid may
+encoder-cache store (`service.engine.store`), so one rule, `UUID_RULE` there, says what a uuid may
 be, and every face checks it where the uuid enters (`item_uuid`), before any byte is fetched.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from service.engine.inputs import MediaInput
+from service.engine.store import UUID_RULE, is_key
 from service.errors import BadRequest, Unsupported
 from vision.media import Modality
 from vision.options import DEFAULT_OPTIONS, ImageOptions
 
 IMAGE_FIELDS = ("url", "detail")
 DETAILS = ("auto", "low", "high")
-# A key is one path component of plain characters: no separator, dot-dot, NUL or newline can be
-# in it, and it fits a file name (255 bytes) with room. fullmatch, not `$`: `$` lets "name\n" by.
-_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
-UUID_RULE = "1 to 128 characters, each a letter (A-Z, a-z), a digit, '_' or '-'"
-# The hex digests vLLM's --mm-hasher-algorithm choices give (service.engine.config.HASH_ALGORITHMS:
-# blake3 and sha256 64 digits, sha512 128); sha256's 64 are also the key vLLM's EPD proxy sets.
-_HASH_SHAPED = re.compile(r"[0-9a-fA-F]{64}|[0-9a-fA-F]{128}")
-
-
-def is_key(text: str) -> bool:
-    """Whether `text` follows `UUID_RULE` (a vLLM encoder-cache key: an mm_hash or a client's uuid)."""
-    return _KEY.fullmatch(text) is not None
-
-
-def hash_shaped(key: str) -> bool:
-    """Whether `key` has the form of a content hash (hex of a length vLLM's hashes have)."""
-    return _HASH_SHAPED.fullmatch(key) is not None
-
-
 def item_uuid(value: Any, where: str) -> str | None:
     """A media item's `uuid` as a face received it (None: absent), checked against `UUID_RULE`."""
     if value is None:

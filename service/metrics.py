@@ -209,6 +209,18 @@ class Metrics:
         self.images_refused = Counter("kimi_vision_images_refused",
                                       "Images refused, by reason (the error kind: bad_input, too_large, unsupported).",
                                       ["reason"], registry=r)
+        self.store_lookups = Counter("kimi_vision_ec_store_lookups",
+                                     "Encoder-cache store lookups before an encode, by result (hit: the rows were "
+                                     "served from the store, the tower did not run).", ["result"], registry=r)
+        self.store_lease_waits = Counter("kimi_vision_ec_store_lease_waits",
+                                         "Items waited for because another instance held the store's lease on them.",
+                                         registry=r)
+        self.store_evictions = Counter("kimi_vision_ec_store_evictions",
+                                       "Encoder-cache store entries this instance evicted to keep the budget.",
+                                       registry=r)
+        self.store_bytes = Gauge("kimi_vision_ec_store_bytes",
+                                 "Bytes of the encoder-cache store's entries at this instance's last scan (with "
+                                 "--ec-store-max-gb).", registry=r)
         self._workers = _EncoderWorkers()
         r.register(self._workers)
         self._trunk = _Trunk()
@@ -223,6 +235,16 @@ class Metrics:
                       VLLM_LABELS, buckets=VLLM_ITL_BUCKETS, registry=r),
             Histogram("vllm:e2e_request_latency_seconds", "From a generation's start in the engine to its end.",
                       VLLM_LABELS, buckets=VLLM_E2E_BUCKETS, registry=r))
+
+    def store_lookup(self, hit: bool) -> None:
+        self.store_lookups.labels(result="hit" if hit else "miss").inc()
+
+    def store_lease_wait(self) -> None:
+        self.store_lease_waits.inc()
+
+    def store_evicted(self, entries: int, nbytes: int) -> None:
+        self.store_evictions.inc(entries)
+        self.store_bytes.set(nbytes)
 
     def read_workers(self, source: Callable[[], dict[str, Any]]) -> None:
         """Report the encoder workers of `source()` (an `Engine.health`) on every scrape."""

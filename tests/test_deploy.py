@@ -159,7 +159,8 @@ def test_alert_rules_name_only_metrics_the_server_exports() -> None:
     rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
     expressions = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
     metrics = Metrics()
-    metrics.read_workers(lambda: {"workers": [{"index": 0, "device": "cpu", "ready": True, "restarts": 0, "answered": 0}]})
+    worker = {"index": 0, "device": "cpu", "ready": True, "restarts": 0, "answered": 0}
+    metrics.read_workers(lambda: {"workers": [worker]})
     families = {family.name: family.type for family in metrics.registry.collect()}
     suffixes = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
     selectors = re.compile(r"\{[^}]*\}")  # label matchers: grpc_service="..." is a label, not a metric

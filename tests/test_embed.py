@@ -73,7 +73,7 @@ def test_cli_embed_vllm_ec_layout(tmp_path, tiny_encoder, capsys):
     """`--format vllm-ec`: one `<mm_hash>/encoder_cache.safetensors` per image, named by the hash vLLM
     computes for it (here under a local-path model id and sha256, as `vllm serve /models/kimi-k3
     --mm-hasher-algorithm sha256` would), holding bfloat16 rows by default."""
-    from service.epd.vllm_storage import mm_hash
+    from service.engine.store import mm_hash
 
     ckpt = tmp_path / "ckpt"
     make_checkpoint(ckpt, "tiny", seed=0)

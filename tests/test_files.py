@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from service.batch.journal import fingerprint_path, prepare, shard_dir
 from service.batch.shards import ShardWriter
-from service.epd.vllm_storage import write_ec
+from service.engine.store import write_ec
 from service.errors import BadRequest
 from service.files import atomic_path, write_atomic
 

@@ -68,7 +68,8 @@ def test_faces_reach_the_model_only_through_the_engine():
 
 def test_the_epd_transports_sit_beside_the_faces():
     """`service.epd` takes encodings from the engine and delivers them; the engine never imports
-    it (it returns encodings and writes nothing), and it imports no face."""
+    it (it returns encodings; the one directory it writes is its own store, `service.engine.store`),
+    and it imports no face."""
     assert _offenders(("service/engine",), ("service.epd",)) == []
     assert _offenders(("service/epd",), ("service.rpc", "service.http", "service.openai", "service.batch",
                                          "service.cli", "service.server")) == []

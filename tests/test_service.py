@@ -28,7 +28,7 @@ from serve_process import free_port
 import vision
 from service.engine import ChatInput, Engine, EngineConfig, ImageInput
 from service.engine.scheduler import trunk_embeds
-from service.epd.vllm_storage import mm_hash
+from service.engine.store import STORE_DTYPE, mm_hash
 from service.rpc._proto import vision_pb2 as pb
 from service.rpc.client import AsyncVisionClient, VisionClient, message, to_numpy, user
 from service.rpc.convert import CHUNK_BYTES
@@ -181,7 +181,9 @@ def test_embed_equals_projector_rows_and_is_cached(server, rpc_client):
     assert header.num_tokens == ref.shape[0] and header.hidden_size == ref.shape[1]
     assert list(header.shape) == list(ref.shape) and header.dtype == "float32"
     assert header.nbytes == rows.nbytes
-    np.testing.assert_array_equal(rows, ref.numpy())
+    # This server has a store (--ec-export-dir): every row of a default-preprocessed image is the
+    # store's, in its dtype, whether the store held it or the tower ran.
+    np.testing.assert_array_equal(rows, ref.to(STORE_DTYPE).float().numpy())
     again, rows2 = rpc_client.embed(data)
     assert again.cached and not header.cached and again.content_hash == header.content_hash
     np.testing.assert_array_equal(rows2, rows)
@@ -227,8 +229,9 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client
     assert collapsed == template_ids
     assert list(header.position_ids) == list(range(len(ids)))
     assert header.media_pad_id == MEDIA_PAD_ID and header.num_rows == sum(p.num_tokens for p in pres)
-    # The streamed rows are the projector rows, images in span order.
-    np.testing.assert_array_equal(encoded.embeddings, torch.cat(refs).numpy())
+    # The streamed rows are the projector rows (in the store's dtype: this server has one), images
+    # in span order.
+    np.testing.assert_array_equal(encoded.embeddings, torch.cat(refs).to(STORE_DTYPE).float().numpy())
     # And in the trunk's input embeddings, each span holds its image's rows; text rows are the
     # token embeddings.
     engine = server.engine
@@ -242,7 +245,8 @@ def test_encode_expands_media_pads_and_splices_projector_rows(server, rpc_client
     is_image = torch.tensor(ids) == MEDIA_PAD_ID
     torch.testing.assert_close(embeds[~is_image], text_rows[~is_image], rtol=0, atol=0)
     for span, ref in zip(header.spans, refs, strict=True):
-        torch.testing.assert_close(embeds[span.offset:span.offset + span.length], ref, rtol=0, atol=0)
+        torch.testing.assert_close(embeds[span.offset:span.offset + span.length], ref.to(STORE_DTYPE).float(),
+                                   rtol=0, atol=0)
 
 
 def test_same_image_twice_in_one_request(rpc_client):

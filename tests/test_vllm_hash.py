@@ -10,9 +10,9 @@ import pytest
 from conformance_data import needs_vllm_goldens, vllm_goldens, vllm_image
 
 from service.engine.config import HASH_ALGORITHMS
-from service.epd.vllm_storage import item_key, mm_hash
+from service.engine.store import hash_shaped, item_key, mm_hash
 from service.errors import BadRequest
-from service.media import hash_shaped, item_uuid
+from service.media import item_uuid
 
 pytestmark = needs_vllm_goldens
 

@@ -118,6 +118,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def add_remote_image_arguments(parser: argparse.ArgumentParser, *, who: str) -> None:
     """`--allow-remote-images` and the rules its fetches follow (`service.fetch`, whose defaults
     these are); `who` names what may name the URLs ("HTTP requests", "input lines")."""

@@ -52,7 +52,7 @@ async def _embed_files(engine, names: list[str]) -> list[tuple[str, object, str]
     import asyncio
 
     from service.engine import MediaInput
-    from service.epd.vllm_storage import item_key
+    from service.engine.store import item_key
     from service.errors import classify
 
     slots = asyncio.Semaphore(2 * len(engine.devices))
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from service.engine import Engine, EngineConfig
-    from service.epd.vllm_storage import write_ec
+    from service.engine.store import write_ec
     from service.errors import ServiceError
     from service.files import atomic_path
     from vision.checkpoint import CheckpointError
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "vllm-ec":
         for key, rows in tensors.items():
             try:  # an existing entry is kept, never replaced (service.epd.vllm_storage)
-                print(f"{key}: {write_ec(args.out, hashes[key], rows, hashes[key], key)}")
+                print(f"{key}: {write_ec(args.out, hashes[key], rows, hashes[key], key, engine.fingerprint)}")
             except ServiceError as e:
                 print(f"error: {e}", file=sys.stderr)
                 status = 2

@@ -17,6 +17,7 @@ from service.cli.common import (
     checkpoint_dir,
     config_default,
     image_limits,
+    non_negative_float,
     non_negative_int,
     port_number,
     positive_float,
@@ -93,7 +94,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-mb", type=non_negative_int, default=value, metavar="MB",
                         help=f"embedding cache budget (default {value}; 0 disables)")
     parser.add_argument("--ec-export-dir", metavar="DIR",
-                        help="allow Encode(export_vllm_ec) to write vLLM encoder-cache files under DIR")
+                        help="the encoder-cache store: vLLM encoder-cache files under DIR, which several instances "
+                             "may share (a shared file system): an image is looked up there before it is encoded, "
+                             "encoded by one instance at a time, and written there (rows in bf16); "
+                             "Encode(export_vllm_ec) and --ec-role producer answer with its files; see docs/EPD.md")
+    value = config_default(engine, "ec_lease_seconds")
+    parser.add_argument("--ec-lease-seconds", type=positive_float, metavar="S",
+                        help="how long an instance's claim on an image it encodes for the store lives; the others "
+                             "wait for its file meanwhile, and take the claim over once it expires (an instance "
+                             f"that died) (default {value:g})")
+    parser.add_argument("--ec-store-max-gb", type=positive_float, metavar="GB",
+                        help="bound the store (GiB of entries): after a write, least recently used entries are "
+                             "evicted until the rest fit (default: unbounded)")
+    value = config_default(engine, "ec_store_min_age_s")
+    parser.add_argument("--ec-store-min-age", type=non_negative_float, metavar="S",
+                        help="an entry younger than this is never evicted, so a decoder just told of a file finds "
+                             f"it (default {value:g})")
     value = config_default(engine, "ec_client_uuids")
     parser.add_argument("--ec-client-uuids", choices=CLIENT_UUIDS, default=value,
                         help="which item uuids may name an exported file (a uuid is the file's key, shared by "
@@ -174,6 +190,10 @@ def _problem(args: argparse.Namespace) -> str | None:
         return problem
     if args.max_model_len is not None and args.max_model_len < 2:
         return f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}"
+    store_flags = {"--ec-lease-seconds": args.ec_lease_seconds, "--ec-store-max-gb": args.ec_store_max_gb,
+                   "--ec-store-min-age": args.ec_store_min_age}
+    if not args.ec_export_dir and (given := [flag for flag, value in store_flags.items() if value is not None]):
+        return f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ec-export-dir (the store they are about)"
     if args.ec_role == "producer" and not args.ec_export_dir:
         return "--ec-role producer needs --ec-export-dir (where the encoder-cache files go)"
     if args.epd_host is not None and args.epd_port is None:
@@ -284,6 +304,9 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             threads_per_worker=args.threads_per_worker,
             limits=image_limits(args, max_mb=args.max_message_mb), max_images=args.max_images,
             cache_bytes=args.cache_mb << 20, ec_export_dir=args.ec_export_dir,
+            **{name: value for name, value in (("ec_lease_seconds", args.ec_lease_seconds),
+                                               ("ec_store_min_age_s", args.ec_store_min_age)) if value is not None},
+            ec_store_max_bytes=None if args.ec_store_max_gb is None else max(1, int(args.ec_store_max_gb * 2**30)),
             ec_client_uuids=args.ec_client_uuids, model_id=args.vllm_model_id,
             served_model_names=tuple(args.served_model_name or ()), hash_algorithm=args.mm_hasher_algorithm,
             max_model_len=args.max_model_len,

@@ -38,6 +38,12 @@ class EngineConfig:
     cache_bytes: int = 1 << 30
     ec_export_dir: str | os.PathLike[str] | None = None  # where vLLM encoder-cache files may be written
     ec_client_uuids: str = "accept"  # CLIENT_UUIDS: which item uuids may name an exported file
+    # The export directory is also the fleet's store (service.engine.store): how long an instance's
+    # claim on an item it encodes lives, the store's budget (None: unbounded) and the youngest age
+    # an entry may be evicted at.
+    ec_lease_seconds: float = 30.0
+    ec_store_max_bytes: int | None = None
+    ec_store_min_age_s: float = 300.0
     # cpu_executor's threads (default: the usable CPUs, service.cpus, at least 2)
     cpu_threads: int = field(default_factory=lambda: max(2, cpu_budget().usable))
     # Free memory each malloc arena keeps for the next image (service.engine.allocator), in this
@@ -68,5 +74,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence takes a token of each step")
+        if not self.ec_lease_seconds > 0:
+            raise ValueError(f"ec_lease_seconds must be > 0, got {self.ec_lease_seconds}")
+        if self.ec_store_max_bytes is not None and self.ec_store_max_bytes < 1:
+            raise ValueError(f"ec_store_max_bytes must be >= 1, got {self.ec_store_max_bytes}")
+        if not self.ec_store_min_age_s >= 0:
+            raise ValueError(f"ec_store_min_age_s must be >= 0, got {self.ec_store_min_age_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")

@@ -51,11 +51,13 @@ from service.engine.inputs import (
 from service.engine.loading import decodable_ids, load_engine, name_or_path, warm_up
 from service.engine.pool import EncodeError, EncoderPool
 from service.engine.scheduler import Choice, Generation, GenerationResult, Scheduler, default_kv_cache_bytes
+from service.engine.store import Store, StoreConfig
 from service.metrics import Metrics, TrunkLoad
 from textcore.generate import SamplingParams
 from textcore.model import KimiLinearForCausalLM
 from textcore.splice import Span, position_ids
 from textcore.tokenizer import Tokenizer
+from vision.options import DEFAULT_OPTIONS
 from vision.preprocess import Preprocessed
 
 T = TypeVar("T")
@@ -118,6 +120,11 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.cache: EmbedCache[MediaEmbedding] = EmbedCache(config.cache_bytes)
         self._flights: dict[str, _Flight] = {}  # encodes under way, by content key (`_encoded`)
+        self.store: Store | None = None  # the export directory, shared by a fleet (`_encode_item`)
+        if config.ec_export_dir is not None:
+            self.store = Store(StoreConfig(Path(config.ec_export_dir), self.model_id, config.hash_algorithm,
+                                           self.fingerprint, config.ec_client_uuids, config.ec_lease_seconds,
+                                           config.ec_store_max_bytes, config.ec_store_min_age_s), self.metrics)
         self.cpu_executor = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="kimi-vision-cpu")
         self.scheduler: Scheduler | None = None
         max_model_len = config.max_model_len  # None without the trunk: nothing is generated
@@ -360,9 +367,29 @@ class Engine:
             flight.task.exception()  # its callers heard it; retrieved, so no "never retrieved" warning
 
     async def _encode_item(self, planned: PlannedMedia) -> MediaEmbedding:
+        """One item's rows, checked and cached (here, so a flight whose first caller left still fills
+        the cache for the rest): from the store when it holds them or another instance is encoding
+        them, else from the tower (`_tower`). Only an item of the default preprocessing goes through
+        the store: vLLM's key stands for that one."""
+        plan = planned.plan
+        key = None
+        if self.store is not None and planned.item.options == DEFAULT_OPTIONS:
+            key = await self.run_cpu(self.store.key, planned.item)
+        if key is None:
+            rows, stored = await self._tower(planned), False
+        else:
+            rows, stored = await self.store.through(key, (plan.num_tokens, self.hidden_size),
+                                                    lambda: self._tower(planned), self.run_cpu,
+                                                    planned.item.where or "image")
+        embedding = MediaEmbedding(planned.key, rows, plan.grid_thw, plan.num_tokens, plan.prompt, plan.orig_size,
+                                   cached=stored)
+        self.cache.put(planned.key, embedding)
+        self.metrics.cache_bytes.set(self.cache.nbytes)
+        return embedding
+
+    async def _tower(self, planned: PlannedMedia) -> torch.Tensor:
         """One item through the pool (queued off the event loop: a large item's bytes are copied into
-        shared memory; withdrawn if still queued when the flight is cancelled), checked and cached
-        (here, so a flight whose first caller left still fills the cache for the rest)."""
+        shared memory; withdrawn if still queued when the flight is cancelled)."""
         submitted: list[concurrent.futures.Future] = []
         abandoned = threading.Event()
 
@@ -383,12 +410,7 @@ class Engine:
             for queued in submitted:
                 queued.cancel()
             raise
-        plan = planned.plan
-        if rows.shape[0] != plan.num_tokens:
+        if rows.shape[0] != planned.plan.num_tokens:
             raise EncodeError(f"{planned.item.where or 'image'}: the encoder gave {rows.shape[0]} rows for "
-                              f"{plan.num_tokens} tokens")
-        embedding = MediaEmbedding(planned.key, rows, plan.grid_thw, plan.num_tokens, plan.prompt, plan.orig_size)
-        self.cache.put(planned.key, embedding)
-        self.metrics.cache_bytes.set(self.cache.nbytes)
-        return embedding
-
+                              f"{planned.plan.num_tokens} tokens")
+        return rows

@@ -64,9 +64,10 @@ from service import tracing
 from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import Choice, Encoding, Engine, GenerationResult, MediaInput, Prepared
+from service.engine.store import ItemKey
 from service.epd.base import Delivery, Sink
 from service.epd.destinations import DestinationRule, Guard
-from service.epd.vllm_storage import ItemKey, VllmStorageSink
+from service.epd.vllm_storage import VllmStorageSink
 from service.errors import (
     ClientGone,
     HeadersTooLarge,

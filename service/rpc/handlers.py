@@ -11,7 +11,8 @@ from contextlib import AbstractAsyncContextManager
 import grpc
 
 from service.engine import Engine
-from service.epd.vllm_storage import VllmStorageSink, item_keys
+from service.engine.store import item_keys
+from service.epd.vllm_storage import VllmStorageSink
 from service.errors import BadRequest
 from service.rpc import convert
 from service.rpc._proto import vision_pb2 as pb
@@ -82,7 +83,7 @@ class VisionService(pb_grpc.VisionServiceServicer):
             checked = engine.check(media, chat)
             # vLLM's key of every item, its uuid checked before any pixel is encoded (hashing the
             # bytes: off the event loop); with export_vllm_ec, its file too (the export directory is set).
-            vllm = VllmStorageSink.of(engine, convert.TORCH_DTYPES[dtype]) if request.export_vllm_ec else None
+            vllm = VllmStorageSink.of(engine) if request.export_vllm_ec else None
             if vllm is not None:
                 item_ids = await engine.run_cpu(vllm.keys, media)
             else:
