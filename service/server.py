@@ -197,9 +197,9 @@ class VisionServer:
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         log.info("draining: health NOT_SERVING, new requests refused, %d in flight, grace %.0f s",
                  self.admission.admitted, grace)
+        deadline = time.monotonic() + grace  # the leave below is within it
         # Off the rosters first (bounded), so no proxy sends more while the admitted work finishes.
         await asyncio.gather(self.grpc.shut_down_health(), *([self._membership.leave()] if self._membership else []))
-        deadline = time.monotonic() + grace
         while (self.admission.admitted or self._pushing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop(grace=STOP_GRACE_S)
