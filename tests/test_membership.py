@@ -9,7 +9,8 @@ own registries, with real processes on 127.0.0.1:
   registers its `--epd-port` URL once serving, stays through the bootstrap's health probes, is
   announced again after the bootstrap lost it, and unregisters at the start of its drain.
 - A registry that never answers: the server serves, warns naming the URL (never the key), and
-  drains within the leave's bound.
+  drains within the leave's bound; one that refuses (a wrong key): one warning with its answer,
+  not one per announcement.
 - Bad flags: a clear startup error, exit status 2, nothing started.
 """
 
@@ -224,6 +225,25 @@ def test_a_registry_that_never_answers_delays_neither_serving_nor_draining(tiny_
     warnings = [record.getMessage() for record in caplog.records]
     assert any(f"could not leave the vLLM proxy {proxy}: no answer within" in line for line in warnings), warnings
     assert not any(KEY in line for line in warnings)
+
+
+def test_a_refused_join_is_one_warning_naming_the_proxy_and_its_answer(vllm_proxy, tiny_engine, caplog):
+    """A wrong key: vLLM's proxy answers 403 to every announcement; the warning is said once (not
+    every period), with the status and the proxy's words, never the key."""
+    proxy, _ = vllm_proxy
+    wrong = "not-the-proxys-key-0123456789"
+    membership = MembershipConfig(vllm_proxies=(proxy,), vllm_host="127.0.0.1", admin_key=wrong, period_s=0.1)
+    with (caplog.at_level(logging.INFO, logger="kimi_vision.membership"),
+          ServerThread(ServerConfig(port=0, http_port=0, membership=membership), engine=tiny_engine) as handle):
+        def refusals() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.getMessage().startswith("could not join")]
+
+        _wait("the refusal is logged", refusals, timeout_s=10)
+        time.sleep(1.0)  # ten more announcements, all refused
+        assert _encoders(proxy) == [] and handle.server.admission.serving
+    (line,) = refusals()
+    assert f"could not join the vLLM proxy {proxy}: HTTP 403" in line and "Invalid admin API key" in line, line
+    assert not any(wrong in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(("args", "env", "words"), [

@@ -166,7 +166,7 @@ class _Registry:
     join: tuple[str, str, dict[str, Any]]  # method, path, httpx arguments
     leave: tuple[str, str, dict[str, Any]]
     joined: bool = False
-    problem: str | None = None  # the last failure, while failing
+    failing: str | None = None  # the kind of the last failure (a status, an exception), while failing
     warned_at: float = float("-inf")
 
 
@@ -240,35 +240,39 @@ class Membership:
 
     async def _send(self, registry: _Registry, step: str, timeout_s: float) -> None:
         method, path, kwargs = registry.join if step == "join" else registry.leave
+        kind = problem = None
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._client.stream(method, registry.base + path, **kwargs) as reply:
-                    problem = None if reply.is_success else f"HTTP {reply.status_code} {await _snippet(reply)!r}"
+                    if not reply.is_success:
+                        kind = f"HTTP {reply.status_code}"
+                        problem = f"{kind} {await _snippet(reply)!r}"
         except TimeoutError:
-            problem = f"no answer within {timeout_s:g} s"
+            kind = problem = f"no answer within {timeout_s:g} s"
         except httpx.HTTPError as exc:  # its text names the failure, never the headers sent
-            problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        self._report(registry, step, problem)
+            kind = type(exc).__name__
+            problem = f"{kind}: {exc}" if str(exc) else kind
+        self._report(registry, step, kind, problem)
 
-    def _report(self, registry: _Registry, step: str, problem: str | None) -> None:
+    def _report(self, registry: _Registry, step: str, kind: str | None, problem: str | None) -> None:
         if step == "leave":
-            if problem is None:
+            if kind is None:
                 log.info("left the %s %s", registry.what, registry.base)
             else:
                 log.warning("could not leave the %s %s: %s (its health probes will drop this server)",
                             registry.what, registry.base, problem)
             return
-        if problem is None:
-            if not registry.joined or registry.problem is not None:
+        if kind is None:
+            if not registry.joined or registry.failing is not None:
                 log.info("joined the %s %s as %s", registry.what, registry.base, registry.me)
-            registry.joined, registry.problem = True, None
+            registry.joined, registry.failing = True, None
             return
         now = time.monotonic()
-        if problem != registry.problem or now - registry.warned_at >= WARN_EVERY_S:
+        if kind != registry.failing or now - registry.warned_at >= WARN_EVERY_S:
             log.warning("could not join the %s %s: %s (tried again every %g s)", registry.what, registry.base,
                         problem, self._period_s)
             registry.warned_at = now
-        registry.problem = problem
+        registry.failing = kind
 
 
 async def _snippet(reply: httpx.Response) -> str:
