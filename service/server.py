@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from service.admission import Admission, State
 from service.engine import Engine, EngineConfig
+from service.epd.membership import Membership, MembershipConfig
 from service.http.app import HttpConfig, create_app, one_fetcher
 from service.http.server import HttpServer
 from service.metrics import Metrics, MetricsServer
@@ -56,6 +57,7 @@ class ServerConfig:
     log_health_checks: bool = False  # an access-log line for every health check too (both faces)
     grpc: GrpcConfig = field(default_factory=GrpcConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)  # the rosters it joins once serving
 
 
 class VisionServer:
@@ -84,6 +86,7 @@ class VisionServer:
         self._metrics_server: MetricsServer | None = None
         self._warm_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._membership: Membership | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -131,6 +134,10 @@ class VisionServer:
         if cfg.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry)
             self.metrics_port = await self._metrics_server.start(cfg.host, cfg.metrics_port)
+        if cfg.membership.joins:  # joined once serving (`_warm`); its URLs name the ports just bound
+            self._membership = Membership(cfg.membership, http_port=self.http_port, epd_port=self.epd_port,
+                                          scheme="https" if certfile else "http",
+                                          serving=lambda: self.admission.serving)
         self._warm_task = asyncio.create_task(self._warm())
         return self.port
 
@@ -154,6 +161,8 @@ class VisionServer:
             await self._set_state(State.SERVING)
             log.info("serving %s on %s:%s", SERVICE_NAME, self.config.host, self.port)
             self._watch_task = asyncio.create_task(self._watch_pool(engine))
+            if self._membership is not None:
+                self._membership.start()
 
     async def _set_state(self, state: State) -> None:
         self.admission.state = state
@@ -188,13 +197,16 @@ class VisionServer:
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         log.info("draining: health NOT_SERVING, new requests refused, %d in flight, grace %.0f s",
                  self.admission.admitted, grace)
-        await self.grpc.shut_down_health()
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + grace  # the leave below is within it
+        # Off the rosters first (bounded), so no proxy sends more while the admitted work finishes.
+        await asyncio.gather(self.grpc.shut_down_health(), *([self._membership.leave()] if self._membership else []))
         while (self.admission.admitted or self._pushing) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop(grace=STOP_GRACE_S)
 
     async def stop(self, grace: float | None = 0) -> None:
+        if self._membership is not None:
+            await self._membership.close()
         for server in (self.http, self.epd):
             if server is not None:
                 await server.stop()

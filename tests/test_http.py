@@ -22,10 +22,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +38,7 @@ from openai_schema import ChatCompletion, ChatCompletionChunk, EncoderCompletion
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from serve_process import ServeProcess, free_port
+from vllm_decoder import Decoder
 
 from service.checkpoints.default import default_checkpoint_dir
 from service.engine import EngineConfig
@@ -310,41 +309,6 @@ def test_a_producers_stream_is_one_chunk_the_openai_sdk_reads(producer):
     assert "ec_transfer_params" not in (only.model_extra or {})  # as vLLM's streamed chunks: none
 
 
-class _Decoder(ThreadingHTTPServer):
-    """vLLM's decode instance as the proxy meets it, for what the proxy sends it: it records each
-    chat request and answers it (a one-word completion, or its SSE form)."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict] = []
-        decoder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:  # the proxy's health probe
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                decoder.requests.append(body)
-                reply = {"id": "chatcmpl-d", "object": "chat.completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "cat"},
-                                      "logprobs": None, "finish_reason": "stop"}],
-                         "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 def _run_proxy(script: Path, encoder_port: int, decoder_port: int, log: Path,
                encoder_host: str = "127.0.0.1") -> tuple[subprocess.Popen, int]:
     """vLLM's proxy as its example runs it, E + PD (the encoder on `encoder_host`, the rest on
@@ -373,7 +337,7 @@ def test_behind_vllms_proxy_the_decoder_gets_image_embeds_references(vllm_proxy,
     `image_embeds` references under the proxy's uuids, whose files hold the Embed RPC's rows."""
     images = [SAMPLE.read_bytes(), (REPO_ROOT / "samples" / "sticker_rgba.png").read_bytes()]
     urls = [_data_url(images[0]), _data_url(images[1], "image/png")]
-    decoder = _Decoder()
+    decoder = Decoder()
     proc, port = _run_proxy(vllm_proxy, producer.proc.http_port, decoder.server_address[1], tmp_path / "proxy.log")
     try:
         request = {"model": "moonshotai/Kimi-K3", "priority": 5, "session_id": "s-1", "max_tokens": 8,
@@ -408,7 +372,7 @@ def test_vllms_proxy_on_another_address_with_content_keys_only(vllm_proxy, tmp_p
             "--ec-role", "producer", "--ec-client-uuids", "content"]
     data = SAMPLE.read_bytes()
     url = _data_url(data)
-    decoder = _Decoder()
+    decoder = Decoder()
     with ServeProcess.start(args, log_path=tmp_path / "serve.log") as encoder:
         assert encoder.host == "127.0.0.2"
         named = httpx.post(f"http://127.0.0.2:{encoder.http_port}/v1/chat/completions", timeout=120, json={

@@ -143,6 +143,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "anything else is refused (400) before any connection, and so is any of this "
                              "server's own listening ports. Default: peer (a single node, or language servers "
                              "that name their own host, as SGLang's do)")
+    parser.add_argument("--register-vllm-proxy", action="append", metavar="URL",
+                        help="once serving, join this vLLM EPD proxy (run with --dynamic-registration) as an encode "
+                             "instance: POST URL/instances with X-API-Key $ADMIN_API_KEY, again every 30 s (a "
+                             "restarted proxy refills); DELETE at the start of a drain. Repeatable; needs --ec-role "
+                             "producer; see docs/EPD.md")
+    parser.add_argument("--register-sglang-bootstrap", action="append", metavar="URL",
+                        help="once serving, join this SGLang encoder bootstrap server (the language side's "
+                             "--encoder-bootstrap-port, http://HOST:8997): POST URL/register_encoder_url (again "
+                             "every 30 s), DELETE URL/unregister_encoder_url at the start of a drain. Repeatable")
+    parser.add_argument("--advertise-host", metavar="HOST",
+                        help="the address or DNS name the --register-* flags announce this encoder by (default: "
+                             "--host, or --epd-host for SGLang's routes; needed when that is a wildcard such as "
+                             "0.0.0.0)")
     add_remote_image_arguments(parser, who="HTTP requests")
     value = config_default(server, "max_bodies_in_flight")
     parser.add_argument("--max-bodies-in-flight", type=positive_int, default=value, metavar="N",
@@ -200,6 +213,10 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--epd-host needs --epd-port (the listener it places)"
     if args.ec_role == "producer" and args.http_port is None:
         return "--ec-role producer needs --http-port (vLLM's proxy calls the encoder over HTTP)"
+    if args.register_vllm_proxy and args.ec_role != "producer":
+        return "--register-vllm-proxy needs --ec-role producer (what vLLM's proxy calls an encode instance for)"
+    if args.register_sglang_bootstrap and args.http_port is None and args.epd_port is None:
+        return "--register-sglang-bootstrap needs --http-port or --epd-port (where SGLang's encoder routes are)"
     return None
 
 
@@ -243,9 +260,15 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
         return 2
 
     from service.epd.destinations import DEFAULT, DestinationRule
+    from service.epd.membership import ADMIN_KEY_ENV, MembershipConfig
 
     try:
         destinations = DestinationRule.parse(args.epd_allowed_destinations or DEFAULT)
+        membership = MembershipConfig.parse(
+            vllm_proxies=args.register_vllm_proxy or (), sglang_bootstraps=args.register_sglang_bootstrap or (),
+            advertise_host=args.advertise_host, host=args.host,
+            epd_host=args.epd_host,
+            admin_key=os.environ.get(ADMIN_KEY_ENV))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -288,7 +311,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
             epd_host=args.epd_host, health_port=args.health_port,
             metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
             max_bodies_in_flight=args.max_bodies_in_flight, drain_grace_s=args.drain_seconds,
-            log_health_checks=args.log_health_checks,
+            log_health_checks=args.log_health_checks, membership=membership,
             grpc=GrpcConfig(max_receive_bytes=args.max_message_mb << 20, credentials=credentials,
                             interceptors=interceptors),
             http=HttpConfig(max_body_bytes=args.max_message_mb << 20, max_header_bytes=args.max_header_kb << 10,
