@@ -25,12 +25,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import peers
 import pytest
 from black_hole import Recorder
+from images import png
 from serve_process import REPO_ROOT, ServeProcess, free_port, serve_command
 from vllm_decoder import Decoder
 
@@ -107,10 +107,9 @@ def _encoders(proxy: str) -> list[str]:
     return httpx.get(f"{proxy}/instances", timeout=10).json()["encode"]["live"]
 
 
-def _chat(proxy: str, images: list[tuple[Path, str]]) -> httpx.Response:
-    parts = [{"type": "image_url", "image_url": {"url": f"data:{mime};base64,"
-                                                        + base64.b64encode(path.read_bytes()).decode()}}
-             for path, mime in images]
+def _chat(proxy: str, images: list[tuple[bytes, str]]) -> httpx.Response:
+    parts = [{"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+             for data, mime in images]
     return httpx.post(f"{proxy}/v1/chat/completions", timeout=120, json={
         "model": "moonshotai/Kimi-K3", "max_tokens": 4,
         "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "what?"}]}]})
@@ -135,7 +134,7 @@ def test_encoders_join_vllms_proxy_serve_its_chats_and_leave_it_when_they_drain(
             assert KEY not in first.log_text() and "joined the vLLM proxy" in first.log_text()
 
             before = [_images_encoded(server) for server in launched]  # the warm-up's
-            reply = _chat(proxy, IMAGES)  # one image to each encoder (the proxy's round robin)
+            reply = _chat(proxy, [(path.read_bytes(), mime) for path, mime in IMAGES])  # one to each (round robin)
             assert reply.status_code == 200, (reply.text, proxy_log.read_text()[-3000:])
             assert [_images_encoded(server) - b for server, b in zip(launched, before, strict=True)] == [1, 1]
             assert len(decoder.requests) == 1
@@ -144,7 +143,8 @@ def test_encoders_join_vllms_proxy_serve_its_chats_and_leave_it_when_they_drain(
             first.proc.send_signal(signal.SIGTERM)  # SIGTERM: a drain, waiting for the held request
             _wait("the draining encoder leaves the roster", lambda: _encoders(proxy) == [urls[1]], alive=first)
             assert "left the vLLM proxy" in first.log_text()
-            reply = _chat(proxy, IMAGES)  # both to the one left: the drained encoder gets nothing
+            # Two new images (the first two are in the encoders' store now): both to the one left.
+            reply = _chat(proxy, [(png(84, 56, seed=s), "image/png") for s in (5, 6)])
             assert reply.status_code == 200, (reply.text, proxy_log.read_text()[-3000:])
             assert [_images_encoded(server) - b for server, b in zip(launched, before, strict=True)] == [1, 3]
             held.close()  # the drain's last request ends (the client left): the server exits
