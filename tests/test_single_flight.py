@@ -77,3 +77,19 @@ def test_a_flight_no_one_waits_for_is_withdrawn(tiny_engine):
 
     (embedding,) = asyncio.run(run())
     assert embedding.rows.shape[0] == embedding.num_tokens
+
+
+def test_a_shared_encode_that_fails_names_each_callers_own_item(tiny_engine):
+    from test_preprocess_errors import png_header_only  # a header that plans; its pixels are missing
+
+    data = png_header_only(300, 200)
+
+    async def run():
+        return await asyncio.gather(
+            tiny_engine.embed([MediaInput(data, where="messages[0].content[1]")]),
+            tiny_engine.embed([MediaInput(png(56, 56), where="a"), MediaInput(data, where="messages[2].content[0]")]),
+            return_exceptions=True)
+
+    first, second = asyncio.run(run())
+    assert str(first).startswith("messages[0].content[1]: ") and "truncated or corrupt" in str(first)
+    assert str(second).startswith("messages[2].content[0]: ") and "truncated or corrupt" in str(second)

@@ -341,8 +341,15 @@ class Engine:
         flights = [self._flight(key, planned) for key, planned in missing.items()]
         for flight in flights:
             flight.waiters += 1
+
+        async def landed(flight: _Flight, planned: PlannedMedia) -> MediaEmbedding:
+            # A refusal is named by where this call holds the item (and counted for it), not where
+            # the call that started the flight did.
+            with named_refusal(planned.item, self.metrics):
+                return await asyncio.shield(flight.task)
+
         try:
-            embeddings = await asyncio.gather(*(asyncio.shield(flight.task) for flight in flights))
+            embeddings = await asyncio.gather(*map(landed, flights, missing.values()))
         finally:
             for flight in flights:
                 flight.waiters -= 1
@@ -402,9 +409,7 @@ class Engine:
 
         try:
             future = await self.run_cpu(submit)
-            # A worker refuses pixels the header did not show: named and counted as a header refusal is.
-            with named_refusal(planned.item, self.metrics):
-                rows = await asyncio.wrap_future(future)
+            rows = await asyncio.wrap_future(future)  # a refusal is named by each caller (`_encoded`)
         except BaseException:  # no one will use the rows: stop the work if it has not started
             abandoned.set()
             for queued in submitted:
