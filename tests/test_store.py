@@ -185,3 +185,19 @@ def test_instances_evicting_one_directory_at_once_each_entry_goes_once(tmp_path)
     assert sorted(_entries(tmp_path)) == sorted(_key(i).key for i in range(20, 30))
     assert sum(_value(m, "kimi_vision_ec_store_evictions_total") for m in counts) == 20
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".evicted")] == []
+
+
+def test_what_a_killed_writer_left_is_swept_by_a_scan(tmp_path):
+    store = _store(tmp_path, max_bytes=10**9, lease_s=30.0, min_age_s=300.0)
+    half = tmp_path / _key(1).key
+    half.mkdir()
+    (half / f".{FILE_NAME}.123-abc.tmp").write_bytes(b"half a file")
+    assert isinstance(store.take(_key(2).key), Lease)  # its owner then died
+    young = tmp_path / _key(3).key
+    young.mkdir()  # a live writer's, just begun
+    old = time.time() - 331
+    for path in (half, tmp_path / LEASES / _key(2).key):
+        os.utime(path, (old, old))
+    store.evict()
+    assert not half.exists() and not (tmp_path / LEASES / _key(2).key).exists()
+    assert young.exists()

@@ -39,6 +39,7 @@ a reader that knows nothing but its name:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -382,30 +383,44 @@ class Store:
     def evict(self) -> None:
         """Least recently used entries older than the minimum age, until the rest fit the budget."""
         assert self.config.max_bytes is not None, "evict under a budget"
+        now = time.time()
+        abandoned = now - self.config.lease_s - self.config.min_age_s  # what a killed writer left
         entries = []
         for entry in os.scandir(self.directory):
             if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
                 continue
             try:
                 st = os.stat(os.path.join(entry.path, FILE_NAME))
-            except OSError:
-                continue  # being written, or evicted by another instance
+            except OSError:  # being written (or evicted by another instance), or its writer died
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < abandoned:
+                        self._remove(entry.name)
+                continue
             entries.append((st.st_mtime, st.st_size, entry.name))
+        with contextlib.suppress(OSError):
+            for lease in os.scandir(self.leases):  # a dead owner's lease on an image no one asked for again
+                with contextlib.suppress(OSError):
+                    if lease.stat(follow_symlinks=False).st_mtime < abandoned:
+                        os.unlink(lease.path)
         total = sum(size for _, size, _ in entries)
-        now = time.time()
         evicted = 0
         for mtime, size, name in sorted(entries):
             if total <= self.config.max_bytes or now - mtime < self.config.min_age_s:
                 break
-            gone = self.directory / f".{name}.{secrets.token_hex(6)}.evicted"
             total -= size  # gone either way: by this instance, or another that evicted it first
-            try:
-                os.rename(self.directory / name, gone)
-            except OSError:
-                continue
-            shutil.rmtree(gone, ignore_errors=True)
-            evicted += 1
+            evicted += self._remove(name)
         with self._lock:
             self._bytes = total
             self._scanned = time.monotonic()
         self.counts.store_evicted(evicted, total)
+
+    def _remove(self, name: str) -> bool:
+        """Remove an entry's directory: renamed away first (atomic: of several instances removing
+        it, one does; a reader sees the whole file or none), then deleted."""
+        gone = self.directory / f".{name}.{secrets.token_hex(6)}.evicted"
+        try:
+            os.rename(self.directory / name, gone)
+        except OSError:
+            return False
+        shutil.rmtree(gone, ignore_errors=True)
+        return True
