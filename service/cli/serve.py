@@ -265,7 +265,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
     try:
         config = ServerConfig(
             host=args.host, port=args.port, http_port=args.http_port, epd_port=args.epd_port,
-            epd_host=args.epd_host, health_port=args.health_port,
+            epd_host=args.epd_host, epd_destinations=destinations, health_port=args.health_port,
             metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
             max_bodies_in_flight=args.max_bodies_in_flight, drain_grace_s=args.drain_seconds,
             log_health_checks=args.log_health_checks,
@@ -276,7 +276,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
                             token=token, allow_remote_images=args.allow_remote_images,
                             allowed_media_domains=tuple(args.allowed_media_domains or ()) or None,
                             media_fetch_timeout_s=args.media_fetch_timeout, max_media_fetches=args.max_media_fetches,
-                            ec_producer=args.ec_role == "producer", epd_destinations=destinations,
+                            ec_producer=args.ec_role == "producer",
                             tls_files=(args.tls_cert, args.tls_key) if credentials else None),
         )
         engine_config = EngineConfig(
