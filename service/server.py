@@ -80,7 +80,8 @@ class VisionServer:
         # SGLang's encoder, one for both faces: one registration table, one budget of pushes.
         self.sglang = SglangEncoder(self.admission, self._fetcher, Guard(config.epd_destinations,
                                                                          self.listening_ports))
-        self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks)
+        self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks,
+                             sglang=self.sglang)
         self.http: HttpServer | None = None
         self.epd: HttpServer | None = None
         self.port: int | None = None

@@ -120,14 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epd-host", metavar="HOST",
                         help="address --epd-port listens on, e.g. the cluster network's (default: --host)")
     parser.add_argument("--epd-allowed-destinations", action="append", metavar="LIST",
-                        help="where SGLang's pushes may connect (an /encode's prefill_host:embedding_port, a "
-                             "registered receive_url): a comma list (repeatable) of `peer` (the address of the "
-                             "HTTP caller naming or registering it), IP addresses, CIDRs and host names (resolved "
-                             "at start), each with an optional :PORT or :LOW-HIGH ([v6]:PORT for IPv6); "
-                             "anything else is refused (400) before any connection, and so is any of this "
-                             "server's own listening ports. Default: peer (a single node, or language servers "
-                             "that name their own host, as SGLang's do)")
-    add_remote_image_arguments(parser, who="HTTP requests")
+                        help="where SGLang's pushes may connect (an /encode's or gRPC Encode's prefill_host:"
+                             "embedding_port, a registered receive_url): a comma list (repeatable) of `peer` (the "
+                             "address of the HTTP or gRPC caller naming or registering it), IP addresses, CIDRs "
+                             "and host names (resolved at start), each with an optional :PORT or :LOW-HIGH ([v6]:PORT "
+                             "for IPv6); anything else is refused (400; INVALID_ARGUMENT) before any connection, and "
+                             "so is any of this server's own listening ports. Default: peer (a single node, or "
+                             "language servers that name their own host, as SGLang's do)")
+    add_remote_image_arguments(parser, who="HTTP requests and SGLang's gRPC Encode")
     value = config_default(server, "max_bodies_in_flight")
     parser.add_argument("--max-bodies-in-flight", type=positive_int, default=value, metavar="N",
                         help="HTTP request bodies being read at once (each request takes its --max-queue place "
