@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 
 from service.admission import Admission, State
 from service.engine import Engine, EngineConfig
+from service.epd.destinations import DestinationRule, Guard
 from service.epd.membership import Membership, MembershipConfig
+from service.epd.sglang_encoder import SglangEncoder
 from service.http.app import HttpConfig, create_app, one_fetcher
 from service.http.server import HttpServer
 from service.metrics import Metrics, MetricsServer
@@ -48,6 +50,8 @@ class ServerConfig:
     # SGLang's encoder routes on a listener of their own (None: on http_port; 0: any free port)
     epd_port: int | None = None
     epd_host: str | None = None  # where epd_port listens (None: host)
+    # Where SGLang's pushes may go, from either face (--epd-allowed-destinations; default: the caller's address).
+    epd_destinations: DestinationRule = field(default_factory=DestinationRule.parse)
     health_port: int | None = None  # the gRPC health service alone, plaintext (None: off; 0: any)
     metrics_port: int | None = None  # /metrics (None: off; 0: any free port)
     max_concurrency: int = 4  # requests doing work at once, over both faces
@@ -74,7 +78,12 @@ class VisionServer:
         self.metrics = metrics or (engine.metrics if engine is not None else Metrics())
         self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics,
                                    bodies=config.max_bodies_in_flight)
-        self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks)
+        self._fetcher = one_fetcher(config.http)  # one for every listener and SGLang's encoder on each face
+        # SGLang's encoder, one for both faces: one registration table, one budget of pushes.
+        self.sglang = SglangEncoder(self.admission, self._fetcher, Guard(config.epd_destinations,
+                                                                         self.listening_ports))
+        self.grpc = GrpcFace(self.admission, self.metrics, config.grpc, log_health_checks=config.log_health_checks,
+                             sglang=self.sglang)
         self.http: HttpServer | None = None
         self.epd: HttpServer | None = None
         self.port: int | None = None
@@ -101,8 +110,8 @@ class VisionServer:
 
     @property
     def _pushing(self) -> bool:
-        """Whether an HTTP listener's deliveries (SGLang's pushes) are still under way."""
-        return any(server is not None and server.busy for server in (self.http, self.epd))
+        """Whether SGLang's pushes (from either face) are still under way."""
+        return self.sglang.busy
 
     @property
     def draining(self) -> bool:
@@ -118,16 +127,16 @@ class VisionServer:
         if cfg.health_port is not None:
             self.health_port = await self.grpc.start_health_port(cfg.host, cfg.health_port)
         certfile, keyfile = cfg.http.tls_files or (None, None)
-        fetcher = one_fetcher(cfg.http)  # one for both HTTP listeners
+        fetcher = self._fetcher
         if cfg.http_port is not None:
             app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks,
-                             sglang=cfg.epd_port is None, own_ports=self.listening_ports, fetcher=fetcher)
+                             sglang=self.sglang if cfg.epd_port is None else None, fetcher=fetcher)
             self.http = HttpServer(app, cfg.host, cfg.http_port, certfile=certfile, keyfile=keyfile)
             self.http_port = self.http.port
             await self.http.start()
         if cfg.epd_port is not None:
             app = create_app(self.admission, self.metrics, cfg.http, log_health_checks=cfg.log_health_checks,
-                             openai=False, own_ports=self.listening_ports, fetcher=fetcher)
+                             openai=False, sglang=self.sglang, fetcher=fetcher)
             self.epd = HttpServer(app, cfg.epd_host or cfg.host, cfg.epd_port, certfile=certfile, keyfile=keyfile)
             self.epd_port = self.epd.port
             await self.epd.start()
@@ -211,6 +220,7 @@ class VisionServer:
             if server is not None:
                 await server.stop()
         await self.grpc.stop(grace)
+        self.sglang.close()  # no face serves it now: its sockets, the error reports still under way
         if self._metrics_server is not None:
             await self._metrics_server.close()
             self._metrics_server = None

@@ -4,7 +4,8 @@ unpickler), imported from its released wheel (fetched and sha256-checked by `pee
 skipped when it cannot be downloaded), fed by real ZMQ PULL sockets on 127.0.0.1 as SGLang's
 tokenizer (`zmq_to_tokenizer`) and its scheduler ranks (`zmq_to_scheduler`) bind them.
 
-`receive` takes one request's parts off a socket step for step as SGLang does it
+`expected_rows` is what each image's rows must be (the Embed RPC's), `check_rows` holds a received
+request to them. `receive` takes one request's parts off a socket step for step as SGLang does it
 (`MMReceiverBase._recv_mm_data` and `WaitingMMRequestBase.consume_parts`, methods of classes that
 need SGLang's running scheduler and tokenizer): unpickle the first frame with `safe_pickle_loads`,
 drop a part of another request, fail on an error part, read the rows from the second frame with
@@ -13,12 +14,17 @@ the part's dtype and shape, aggregate until every part is in.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 
+import numpy as np
 import peers
 import torch
 import zmq
+from PIL import Image
+
+from service.rpc.client import VisionClient
 
 SGLANG_VERSION = peers.SGLANG_VERSION
 WHEEL = peers.sglang_importable()  # skips the importing test module when offline
@@ -37,8 +43,39 @@ os.environ.update(_environ)
 del _environ
 
 MODEL_TYPE = "kimi_k3"  # what SGLang's receiver reads off Kimi-K3's config (model_type)
+MERGE = (2, 2)  # Kimi-K3's vision_config.merge_kernel_size: SGLang's K3 processor counts h * w / 4 tokens per grid
+# One image's expected rows (bfloat16 as raw 16-bit words), grid [t, h, w] and original [width, height].
+Expected = tuple[np.ndarray, list[int], list[int]]
 
-__all__ = ["Modality", "bound_pull", "receive", "receiver", "safe_pickle_loads"]
+__all__ = ["Modality", "bound_pull", "check_rows", "expected_rows", "receive", "receiver", "safe_pickle_loads"]
+
+
+def expected_rows(target: str, images: list[bytes]) -> list[Expected]:
+    """Each image's bfloat16 rows, grid and original size, from the gRPC face's Embed at `target`."""
+    out = []
+    with VisionClient(target, timeout=120) as rpc:
+        for data in images:
+            header, rows = rpc.embed(data, dtype="bfloat16")
+            words = (rows.view(np.uint32) >> 16).astype(np.uint16)  # the RPC widened bf16 to f32 exactly
+            out.append((words, list(header.grid_thw), list(Image.open(io.BytesIO(data)).size)))
+    return out
+
+
+def check_rows(aggregate, indices: list[int], expected: list[Expected]) -> torch.Tensor:
+    """The request's rows, checked against the RPC's bit for bit, and the metadata K3's SGLang
+    processor reads (`get_mm_extra_meta`: one grid row and one original size per image)."""
+    assert isinstance(aggregate, receiver.MultiModalEmbeddingData) and aggregate.ready
+    rows = aggregate.get_embedding(is_concat=True)[Modality.IMAGE]
+    assert rows.dtype == torch.bfloat16
+    words = rows.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(words, np.concatenate([expected[i][0] for i in indices]))
+    meta = aggregate.get_mm_extra_meta()
+    assert meta["img_grid_thw"].dtype == torch.int64
+    assert meta["img_grid_thw"].tolist() == [expected[i][1] for i in indices]
+    assert meta["original_image_sizes"] == [expected[i][2] for i in indices]
+    tokens = [h * w // (MERGE[0] * MERGE[1]) for _, h, w in meta["img_grid_thw"].tolist()]
+    assert tokens == [len(expected[i][0]) for i in indices]
+    return rows
 
 
 def bound_pull(context: zmq.Context) -> tuple[zmq.Socket, int]:

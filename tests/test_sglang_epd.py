@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,25 +30,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import pytest
 import torch
 import zmq
 from image_upstream import ImageUpstream
 from images import png
-from PIL import Image
 from serve_process import ServeProcess, free_port
-from sglang_receiver import Modality, bound_pull, receive, receiver, safe_pickle_loads
+from sglang_receiver import Modality, bound_pull, check_rows, expected_rows, receive, receiver, safe_pickle_loads
 
 from service.engine import EngineConfig
 from service.epd.sglang_wire import error_frames, part_frames
-from service.rpc.client import VisionClient
 from service.server import ServerConfig, ServerThread
 from vision.media import Modality as VisionModality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHOTO = REPO_ROOT / "samples" / "photo.jpg"
-MERGE = (2, 2)  # Kimi-K3's vision_config.merge_kernel_size: SGLang's K3 processor counts h * w / 4 tokens per grid
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -78,15 +73,7 @@ def http(encoder):
 
 @pytest.fixture(scope="module")
 def expected(encoder):
-    """Each image's bfloat16 rows (as raw 16-bit words), grid and original size, from the gRPC face."""
-    out = []
-    with VisionClient(encoder.proc.target, timeout=120) as rpc:
-        for data in IMAGES:
-            header, rows = rpc.embed(data, dtype="bfloat16")
-            words = (rows.view(np.uint32) >> 16).astype(np.uint16)  # the RPC widened bf16 to f32 exactly
-            size = Image.open(io.BytesIO(data)).size
-            out.append((words, list(header.grid_thw), list(size)))
-    return out
+    return expected_rows(encoder.proc.target, IMAGES)
 
 
 @pytest.fixture
@@ -108,23 +95,6 @@ def _encode_body(req_id: str, images: list[bytes], num_parts: int, part_idx: int
             "modality": "IMAGE", "prefill_host": "127.0.0.1", "time_stats_json": None, **where}
 
 
-def _check(aggregate, indices: list[int], expected) -> torch.Tensor:
-    """The request's rows, checked against the RPC's bit for bit, and the metadata K3's SGLang
-    processor reads (`get_mm_extra_meta`: one grid row and one original size per image)."""
-    assert isinstance(aggregate, receiver.MultiModalEmbeddingData) and aggregate.ready
-    rows = aggregate.get_embedding(is_concat=True)[Modality.IMAGE]
-    assert rows.dtype == torch.bfloat16
-    words = rows.view(torch.int16).numpy().view(np.uint16)
-    np.testing.assert_array_equal(words, np.concatenate([expected[i][0] for i in indices]))
-    meta = aggregate.get_mm_extra_meta()
-    assert meta["img_grid_thw"].dtype == torch.int64
-    assert meta["img_grid_thw"].tolist() == [expected[i][1] for i in indices]
-    assert meta["original_image_sizes"] == [expected[i][2] for i in indices]
-    tokens = [h * w // (MERGE[0] * MERGE[1]) for _, h, w in meta["img_grid_thw"].tolist()]
-    assert tokens == [len(expected[i][0]) for i in indices]
-    return rows
-
-
 def test_zmq_to_tokenizer_parts_arrive_as_the_rpcs_rows(http, context, expected):
     """Two parts of one request (two images, one of them with `detail: "high"`, then one) on the
     tokenizer's socket: `detail` changes nothing (K3's processor has one preprocessing)."""
@@ -134,7 +104,7 @@ def test_zmq_to_tokenizer_parts_arrive_as_the_rpcs_rows(http, context, expected)
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda body: http.post("/encode", json=body), bodies))
     assert [(r.status_code, r.json()) for r in replies] == [(200, None), (200, None)]
-    _check(receive(sock, "tok-1", timeout_s=30), [0, 1, 2], expected)
+    check_rows(receive(sock, "tok-1", timeout_s=30), [0, 1, 2], expected)
 
 
 def test_zmq_to_scheduler_two_ranks_registered_before_and_after_get_the_same_rows(http, context, expected):
@@ -155,7 +125,7 @@ def test_zmq_to_scheduler_two_ranks_registered_before_and_after_get_the_same_row
         second = receive(ranks[1][0], "sched-1", timeout_s=30)
         reply = pending.result(60)
     assert (reply.status_code, reply.json()) == (200, None)
-    assert torch.equal(_check(first, [0, 1], expected).view(torch.int16), _check(second, [0, 1], expected)
+    assert torch.equal(check_rows(first, [0, 1], expected).view(torch.int16), check_rows(second, [0, 1], expected)
                        .view(torch.int16))
 
 
@@ -190,7 +160,7 @@ def test_remote_images_are_fetched_by_the_chat_routes_rules(http, context, expec
         reply = http.post("/encode", json={**_encode_body("remote-1", [], 1, 0, embedding_port=port),
                                            "mm_items": [upstream.url("/image.png")]})
         assert (reply.status_code, reply.json()) == (200, None), reply.text
-        _check(receive(sock, "remote-1", timeout_s=30), [1], expected)
+        check_rows(receive(sock, "remote-1", timeout_s=30), [1], expected)
         fetched = upstream.hits["/image.png"]
         for req_id, items, status, words in (
                 ("remote-2", [upstream.url("/image.png", host="localhost")], 400,
@@ -344,7 +314,7 @@ def test_both_transports_reach_another_host(two_hosts, context, expected):
         reply = caller.post("/encode", json=_encode_body("far-1", IMAGES[1:2], 1, 0, embedding_port=port,
                                                          prefill_host=LANGUAGE_HOST))
         assert (reply.status_code, reply.json()) == (200, None), reply.text
-        _check(receive(tokenizer, "far-1", timeout_s=30), [1], expected)
+        check_rows(receive(tokenizer, "far-1", timeout_s=30), [1], expected)
 
         bound = [pull() for _ in range(2)]
         part_id = receiver.create_part_req_id("far-2", 0)
@@ -366,7 +336,7 @@ def test_both_transports_reach_another_host(two_hosts, context, expected):
         reply = caller.post("/encode", json=_encode_body("far-2", IMAGES[:1], 1, 0, embedding_port=None))
         assert (reply.status_code, reply.json()) == (200, None), reply.text
         for sock, _ in bound:
-            _check(receive(sock, "far-2", timeout_s=30), [0], expected)
+            check_rows(receive(sock, "far-2", timeout_s=30), [0], expected)
 
         # Not on the list: 127.0.0.3 is neither the caller nor allowed.
         refused = caller.post("/encode", json=_encode_body("far-3", IMAGES[1:2], 1, 0, embedding_port=port,

@@ -136,13 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epd-host", metavar="HOST",
                         help="address --epd-port listens on, e.g. the cluster network's (default: --host)")
     parser.add_argument("--epd-allowed-destinations", action="append", metavar="LIST",
-                        help="where SGLang's pushes may connect (an /encode's prefill_host:embedding_port, a "
-                             "registered receive_url): a comma list (repeatable) of `peer` (the address of the "
-                             "HTTP caller naming or registering it), IP addresses, CIDRs and host names (resolved "
-                             "at start), each with an optional :PORT or :LOW-HIGH ([v6]:PORT for IPv6); "
-                             "anything else is refused (400) before any connection, and so is any of this "
-                             "server's own listening ports. Default: peer (a single node, or language servers "
-                             "that name their own host, as SGLang's do)")
+                        help="where SGLang's pushes may connect (an /encode's or gRPC Encode's prefill_host:"
+                             "embedding_port, a registered receive_url): a comma list (repeatable) of `peer` (the "
+                             "address of the HTTP or gRPC caller naming or registering it), IP addresses, CIDRs "
+                             "and host names (resolved at start), each with an optional :PORT or :LOW-HIGH ([v6]:PORT "
+                             "for IPv6); anything else is refused (400; INVALID_ARGUMENT) before any connection, and "
+                             "so is any of this server's own listening ports. Default: peer (a single node, or "
+                             "language servers that name their own host, as SGLang's do)")
     parser.add_argument("--register-vllm-proxy", action="append", metavar="URL",
                         help="once serving, join this vLLM EPD proxy (run with --dynamic-registration) as an encode "
                              "instance: POST URL/instances with X-API-Key $ADMIN_API_KEY, again every 30 s (a "
@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address or DNS name the --register-* flags announce this encoder by (default: "
                              "--host, or --epd-host for SGLang's routes; needed when that is a wildcard such as "
                              "0.0.0.0)")
-    add_remote_image_arguments(parser, who="HTTP requests")
+    add_remote_image_arguments(parser, who="HTTP requests and SGLang's gRPC Encode")
     value = config_default(server, "max_bodies_in_flight")
     parser.add_argument("--max-bodies-in-flight", type=positive_int, default=value, metavar="N",
                         help="HTTP request bodies being read at once (each request takes its --max-queue place "
@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
     try:
         config = ServerConfig(
             host=args.host, port=args.port, http_port=args.http_port, epd_port=args.epd_port,
-            epd_host=args.epd_host, health_port=args.health_port,
+            epd_host=args.epd_host, epd_destinations=destinations, health_port=args.health_port,
             metrics_port=args.metrics_port, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
             max_bodies_in_flight=args.max_bodies_in_flight, drain_grace_s=args.drain_seconds,
             log_health_checks=args.log_health_checks, membership=membership,
@@ -319,7 +319,7 @@ def _run(args: argparse.Namespace, server_log: ServerLog) -> int:
                             token=token, allow_remote_images=args.allow_remote_images,
                             allowed_media_domains=tuple(args.allowed_media_domains or ()) or None,
                             media_fetch_timeout_s=args.media_fetch_timeout, max_media_fetches=args.max_media_fetches,
-                            ec_producer=args.ec_role == "producer", epd_destinations=destinations,
+                            ec_producer=args.ec_role == "producer",
                             tls_files=(args.tls_cert, args.tls_key) if credentials else None),
         )
         engine_config = EngineConfig(

@@ -4,11 +4,11 @@ one module implementing `base.Sink` (an encoding in; its delivery and transfer p
 - `vllm_storage`: vLLM's shared-storage encoder-cache connector (files under `--ec-export-dir`,
   keyed by vLLM's own mm_hash), for `--ec-role producer` and the gRPC `Encode` export;
 - `sglang_zmq`: SGLang's `zmq_to_tokenizer` / `zmq_to_scheduler` pushes (`sglang_wire` is the
-  message), for SGLang's `/encode` route.
+  message), for SGLang's encoder protocol (`sglang_encoder`: what its HTTP `/encode` route and its
+  gRPC `Encode` share).
 
 The faces only parse their routes into an engine request and a transport's destination; the
 engine returns encodings and never writes or sends them. Configuration picks the transport
 (`--ec-role producer` the vLLM one; SGLang's routes the ZMQ one): adding one is a module here and
-the flag or route that uses it. Nothing is imported here: a face loads only the transport it uses
-(the gRPC face never loads ZMQ).
+the flag or route that uses it. Nothing is imported here: a module loads only the transport it uses.
 """

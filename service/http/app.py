@@ -50,8 +50,8 @@ import importlib.metadata
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -65,8 +65,8 @@ from service.admission import Admission, Ticket
 from service.auth import BearerToken
 from service.engine import Choice, Encoding, Engine, GenerationResult, MediaInput, Prepared
 from service.engine.store import ItemKey
-from service.epd.base import Delivery, Sink
-from service.epd.destinations import DestinationRule, Guard
+from service.epd.base import Delivery
+from service.epd.sglang_encoder import SglangEncoder
 from service.epd.vllm_storage import VllmStorageSink
 from service.errors import (
     ClientGone,
@@ -132,8 +132,6 @@ class HttpConfig:
     max_media_fetches: int = DEFAULT_CONCURRENCY  # remote image fetches at once, over all requests
     ec_producer: bool = False  # --ec-role producer: export every request's images before replying
     tls_files: tuple[str, str] | None = None  # (certificate chain, key) PEM files: serve HTTPS
-    # Where SGLang's pushes may go (--epd-allowed-destinations; default: the caller's own address).
-    epd_destinations: DestinationRule = field(default_factory=DestinationRule.parse)
 
 
 class _Stream(StreamingResponse):
@@ -169,17 +167,6 @@ class HttpApp:
         self.config = config
         self.token = BearerToken(config.token) if config.token else None
         self.log_health_checks = log_health_checks
-        self.sinks: list[Sink] = []  # what the routes hold beyond a request (SGLang's pushes)
-
-    @property
-    def busy(self) -> bool:
-        """Whether deliveries its routes started are still under way (a drain waits for them)."""
-        return any(sink.busy for sink in self.sinks)
-
-    def close(self) -> None:
-        """Once the server stopped serving: what the routes hold."""
-        for sink in self.sinks:
-            sink.close()
 
     def _refusal(self, scope: dict[str, Any], headers: Headers) -> Response | None:
         size = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
@@ -268,11 +255,11 @@ def one_fetcher(config: HttpConfig) -> Callable[[Engine], MediaFetcher]:
 
 
 def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *, log_health_checks: bool = False,
-               openai: bool = True, sglang: bool = True, own_ports: Callable[[], Iterable[int]] = tuple,
+               openai: bool = True, sglang: SglangEncoder | None = None,
                fetcher: Callable[[Engine], MediaFetcher] | None = None) -> HttpApp:
     """The face on one server process's admission (which holds the engine) and metrics: `/health`,
-    and the OpenAI routes, SGLang's, or both (`--epd-port` serves SGLang's on a listener of their
-    own). `own_ports`: the server's listening ports, which no push may go to."""
+    and the OpenAI routes, SGLang's (the server's one `sglang` encoder), or both (`--epd-port`
+    serves SGLang's on a listener of their own)."""
     app = FastAPI(title="kimi-vision", docs_url=None, redoc_url=None, openapi_url=None)
     face = HttpApp(app, metrics, config, log_health_checks)
     routes = APIRouter()  # the OpenAI routes, included when served here
@@ -424,9 +411,8 @@ def create_app(admission: Admission, metrics: Metrics, config: HttpConfig, *, lo
 
     if openai:
         app.include_router(routes)
-    if sglang:
-        face.sinks.append(add_sglang_routes(app, admission, read_json, fetcher,
-                                            Guard(config.epd_destinations, own_ports)))
+    if sglang is not None:
+        add_sglang_routes(app, admission, read_json, sglang)
     return face
 
 

@@ -169,7 +169,6 @@ class HttpServer:
                                 ssl_certfile=certfile, ssl_keyfile=keyfile, timeout_graceful_shutdown=5,
                                 http=protocol, h11_max_incomplete_event_size=app.config.max_header_bytes)
         self._server = _Server(config)
-        self._app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -189,11 +188,6 @@ class HttpServer:
                 self._task.result()  # raises what stopped it
             await asyncio.sleep(0.01)
 
-    @property
-    def busy(self) -> bool:
-        """Whether its routes' deliveries are still under way (SGLang's pushes)."""
-        return self._app.busy
-
     async def stop(self) -> None:
         """Finish the requests in flight (uvicorn's graceful shutdown), then close."""
         if self._task is None:
@@ -201,4 +195,3 @@ class HttpServer:
         self._server.should_exit = True
         await self._task
         self._socket.close()
-        self._app.close()

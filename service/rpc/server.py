@@ -1,14 +1,16 @@
-"""The gRPC face: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, with health,
-reflection and the interceptors (`observe.py` first, so refused calls are counted and logged too,
-then the configured ones (the token check), then the protobuf guard, on every port). The serving process
-(`service.server`) starts it beside the HTTP face and tells it the health state; it reaches the
-engine only through `Admission`.
+"""The gRPC face: `kimi.vision.v1.VisionService` (`handlers.py`) on grpc.aio, with SGLang's
+`sglang.grpc.encoder.SglangEncoder` beside it on the same port (`sglang_encoder.py`, when the
+serving process gives it SGLang's encoder), health, reflection and the interceptors (`observe.py`
+first, so refused calls are counted and logged too, then the configured ones (the token check),
+then the protobuf guard, on every port). The serving process (`service.server`) starts it beside
+the HTTP face and tells it the health state; it reaches the engine only through `Admission`.
 
 Every RPC's body runs inside `call`: admission (the serving state, then a work slot; a Generate
 takes none, the trunk's scheduler bounds generations), and every
-failure becomes a status in one place (through `service.errors`), the failure's kind beside the
-request id in the trailing metadata. Cancellation (client gone, deadline passed) cancels the
-handler task; the engine notices at its next check.
+failure becomes a status in one place (`failures`, through `service.errors`), the failure's kind
+beside the request id in the trailing metadata. SGLang's RPCs run inside `failures` alone: their
+encoder admits them itself, as it does the HTTP routes'. Cancellation (client gone, deadline
+passed) cancels the handler task; the engine notices at its next check.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from service import errors
 from service.admission import Admission
 from service.engine import Engine
+from service.epd.sglang_encoder import SglangEncoder
 from service.metrics import Metrics
 from service.rpc import MAX_FRAME_BYTES
 from service.rpc._proto import vision_pb2 as pb
@@ -32,6 +35,7 @@ from service.rpc.handlers import VisionService
 from service.rpc.health import NOT_SERVING, SERVING, HealthServicer
 from service.rpc.observe import RpcObserver
 from service.rpc.proto_guard import MalformedRequestInterceptor
+from service.rpc.sglang_encoder import SGLANG_SERVICE_NAME, SglangEncoderService, add_to_server
 from service.rpc.status import abort
 
 # What one client's connections may hold, on both ports. A client queues RPCs beyond the streams
@@ -70,13 +74,16 @@ class GrpcConfig:
 
 
 class GrpcFace:
-    """The VisionService, health and reflection on one port (plus, optionally, health alone on a
-    plaintext port). Create and use it on the server's event loop."""
+    """The VisionService (and SGLang's encoder service, given `sglang`), health and reflection on one
+    port (plus, optionally, health alone on a plaintext port). Create and use it on the server's
+    event loop."""
 
     def __init__(self, admission: Admission, metrics: Metrics, config: GrpcConfig, *,
-                 log_health_checks: bool = False) -> None:
+                 log_health_checks: bool = False, sglang: SglangEncoder | None = None) -> None:
         self.admission = admission
         self.config = config
+        self.sglang = sglang
+        self._services = (SERVICE_NAME, *((SGLANG_SERVICE_NAME,) if sglang is not None else ()))
         self.health = HealthServicer()
         self.observer = RpcObserver(metrics, log_health_checks=log_health_checks)
         self._servers: list[grpc.aio.Server] = []
@@ -94,8 +101,10 @@ class GrpcFace:
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
         ])
         pb_grpc.add_VisionServiceServicer_to_server(VisionService(self.call, cfg.max_receive_bytes), server)
+        if self.sglang is not None:
+            add_to_server(SglangEncoderService(self.failures, self.sglang), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((*self._services, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)
         return await self._bind(server, host, port, cfg.credentials)
 
@@ -119,7 +128,7 @@ class GrpcFace:
         return bound
 
     async def set_serving(self, serving: bool) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", *self._services):
             await self.health.set(name, SERVING if serving else NOT_SERVING)
 
     async def shut_down_health(self) -> None:
@@ -132,13 +141,18 @@ class GrpcFace:
         self._servers.clear()
 
     @contextlib.asynccontextmanager
-    async def call(self, context: grpc.aio.ServicerContext, *, generation: bool = False) -> AsyncIterator[Engine]:
-        """Admission and the error mapping around one RPC's body (its metrics and log line: the observer)."""
+    async def failures(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """The error mapping around one RPC's body (its metrics and log line: the observer)."""
         try:
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise errors.DeadlineExceeded("deadline already passed")
-            async with self.admission.admit(generation=generation) as engine:
-                yield engine
+            yield
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, in one place
             await abort(context, errors.failure_for(exc))
+
+    @contextlib.asynccontextmanager
+    async def call(self, context: grpc.aio.ServicerContext, *, generation: bool = False) -> AsyncIterator[Engine]:
+        """Admission and the error mapping around one RPC's body."""
+        async with self.failures(context), self.admission.admit(generation=generation) as engine:
+            yield engine
