@@ -14,7 +14,8 @@ Names follow the conventions dashboards already know:
 - HTTP as Prometheus' own client libraries name it (`http_requests_total` by `method`, `handler`,
   `code`; `http_request_duration_seconds`).
 - The service's own under `kimi_vision_`: tokens, the embedding cache, admission (queue depth,
-  requests in flight), encoder workers (ready, restarts) and images refused by reason.
+  requests in flight), encoder workers (ready, restarts, images, busy seconds: what an autoscaler
+  scales an encoder fleet on) and images refused by reason.
 - The trunk's as vLLM 0.33.0 names them, with its labels (`model_name`: the first served name;
   `engine`: "0", this server's one engine) and its default buckets, where the meaning is the
   same, so a dashboard made for vLLM reads them: `vllm:num_requests_running` and
@@ -86,7 +87,8 @@ def go_code(code: grpc.StatusCode) -> str:
 
 class _EncoderWorkers:
     """A collector read at scrape time from the engine's pool (`Engine.health`): how many encoder
-    workers are ready, and each worker's restarts. Until an engine is attached it reports nothing."""
+    workers are ready, and each worker's restarts, images and busy seconds. Until an engine is
+    attached it reports nothing."""
 
     def __init__(self) -> None:
         self.source: Callable[[], dict[str, Any]] | None = None
@@ -107,12 +109,19 @@ class _EncoderWorkers:
         images = CounterMetricFamily("kimi_vision_encoder_images",
                                      "Images an encoder worker answered (its tower ran), by worker.",
                                      labels=["worker", "device"])
+        # What an autoscaler reads: its rate over a window is the share of that window the worker
+        # was busy, exact whenever it is scraped (a gauge of "busy now" flips with each image).
+        busy = CounterMetricFamily("kimi_vision_encoder_busy_seconds",
+                                   "Seconds an encoder worker held an image it had not answered yet, by worker.",
+                                   labels=["worker", "device"])
         for w in workers:
             restarts.add_metric([str(w["index"]), w["device"]], w["restarts"])
             images.add_metric([str(w["index"]), w["device"]], w["answered"])
+            busy.add_metric([str(w["index"]), w["device"]], w["busy_seconds"])
         yield ready
         yield restarts
         yield images
+        yield busy
 
 
 class TrunkLoad(NamedTuple):

@@ -27,6 +27,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes_validate.utils import latest_version
+from prometheus_client.metrics_core import Metric
 from serve_process import REPO_ROOT, ServeProcess
 
 from service.checkpoints.default import generator_key
@@ -73,6 +74,51 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     assert serve._problem(args) is None, serve._problem(args)
     return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus and its adapter
+
+# prometheus-adapter's config schema (its pkg/config): the fields a discovery rule may have.
+ADAPTER_RULE_FIELDS = {"seriesQuery", "seriesFilters", "resources", "name", "metricsQuery", "labelValueReplacements"}
+ADAPTER_RESOURCE_FIELDS = {"template", "overrides"}
+
+
+def _exported_families() -> list[Metric]:
+    """Every metric family a server's scrape has (the encoder workers' too)."""
+    metrics = Metrics()
+    metrics.read_workers(lambda: {"workers": [{"index": 0, "device": "cpu", "ready": True, "restarts": 0, "answered": 0,
+                                               "busy_seconds": 0.0}]})
+    return list(metrics.registry.collect())
+
+
+def _adapter_rules() -> dict[str, tuple[str, str]]:
+    """deploy/prometheus/adapter-rules.yaml's rules read as the adapter reads them: each custom metric
+    it serves, by name, with the series it reads and its query. Each rule is checked on the way: its
+    fields, a pod's series (namespace and pod labels mapped to those resources), a name that its
+    `matches` takes and that `as` rewrites (Go's $1 / ${1}), a query of that series per pod."""
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "adapter-rules.yaml").read_text())
+    assert set(config) == {"rules"}, "custom metrics rules only"
+    out = {}
+    for rule in config["rules"]:
+        assert set(rule) <= ADAPTER_RULE_FIELDS and set(rule["resources"]) <= ADAPTER_RESOURCE_FIELDS, rule
+        series, matchers = re.fullmatch(r"(\w+)\{(.*)\}", rule["seriesQuery"]).groups()
+        assert {'namespace!=""', 'pod!=""'} <= {m.strip() for m in matchers.split(",")}, rule["seriesQuery"]
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        match = re.fullmatch(rule["name"]["matches"], series)
+        assert match, (series, rule["name"])
+        template = rule["name"].get("as") or ("$1" if match.re.groups == 1 else "$0")
+        name = match.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", template))
+        query = rule["metricsQuery"]
+        assert "<<.Series>>{<<.LabelMatchers>>}" in query and "by (<<.GroupBy>>)" in query, query
+        assert name not in out, f"two rules make {name}"
+        out[name] = (series, query)
+    return out
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes quantity as a number ("700m" is 0.7); the plain and milli forms only."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,22 +192,35 @@ def test_deployment_matches_what_the_server_offers(variant: str) -> None:
     assert _one(resources, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def test_autoscaler_scales_the_deployment_on_a_metric_the_server_exports() -> None:
+def test_autoscaler_scales_the_deployment_on_metrics_the_adapter_makes_of_exported_series() -> None:
     (hpa,) = _documents(KUBERNETES / "autoscaling" / "horizontalpodautoscaler.yaml")
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "kimi-vision")
-    (metric,) = hpa["spec"]["metrics"]
-    exported = {family.name for family in Metrics().registry.collect()}
-    assert metric["pods"]["metric"]["name"] in exported
+    rules = _adapter_rules()
+    # Series as Prometheus stores them (a counter's with its _total), with their family's type.
+    exported = {sample.name: family.type for family in _exported_families() for sample in family.samples}
+    asked = set()
+    for metric in hpa["spec"]["metrics"]:
+        assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue", metric
+        name = metric["pods"]["metric"]["name"]
+        assert name in rules, f"no adapter rule makes {name}"
+        series, query = rules[name]
+        assert series in exported, f"the adapter's {name} reads {series}, which the server does not export"
+        # A counter only as a rate; a gauge as it is (a rate of a gauge means nothing).
+        assert ("rate(" in query) == (exported[series] == "counter"), (name, query)
+        if name.endswith("_ratio"):  # a share: a target of 1 or more could never be exceeded
+            assert 0 < _quantity(metric["pods"]["target"]["averageValue"]) < 1, metric
+        asked.add(name)
+    assert asked == set(rules), "adapter rules the autoscaler does not use"
+    assert "kimi_vision_encoder_busy_ratio" in asked  # an encoder fleet's own signal
+    # Scaling down waits longer than the adapter's window: a lull that short keeps the pods.
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 120
 
 
 def test_alert_rules_name_only_metrics_the_server_exports() -> None:
     rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
     expressions = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
-    metrics = Metrics()
-    worker = {"index": 0, "device": "cpu", "ready": True, "restarts": 0, "answered": 0}
-    metrics.read_workers(lambda: {"workers": [worker]})
-    families = {family.name: family.type for family in metrics.registry.collect()}
+    families = {family.name: family.type for family in _exported_families()}
     suffixes = {"_total": "counter", "_bucket": "histogram", "_count": "histogram", "_sum": "histogram"}
     selectors = re.compile(r"\{[^}]*\}")  # label matchers: grpc_service="..." is a label, not a metric
     named = {name for expr in expressions

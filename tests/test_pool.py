@@ -152,6 +152,24 @@ def test_killed_worker_fails_only_what_it_was_sent_and_pool_keeps_serving(pool2,
     assert not alive(victim)
     for out, ref in zip(encode(pool2, ITEMS), reference, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Busy time: a worker holding an image is busy until it answers or dies, and a death with
+    # nothing waiting leaves its slot idle (no slot's busy seconds grow once all is answered).
+    victim = pool2.health()["workers"][0]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    held = submit(pool2, ITEMS[0])  # both idle: worker 0 takes it
+    before = pool2.health()["workers"][0]["busy_seconds"]
+    time.sleep(0.2)
+    assert pool2.health()["workers"][0]["busy_seconds"] >= before + 0.2
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        held.result(30)
+    busy = [w["busy_seconds"] for w in pool2.health()["workers"]]
+    time.sleep(0.2)
+    assert [w["busy_seconds"] for w in pool2.health()["workers"]] == busy
+    deadline = time.monotonic() + 60
+    while not all(w["ready"] for w in pool2.health()["workers"]):  # as the next test expects
+        assert time.monotonic() < deadline, pool2.health()
+        time.sleep(0.05)
 
 
 def test_cancelled_requests_waiting_in_the_pool_are_never_encoded(tiny_checkpoint, reference):

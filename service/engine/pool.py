@@ -175,7 +175,26 @@ class _Slot:
     inflight: dict[int, _Request] = field(default_factory=dict)  # sent to the current worker, by id
     inflight_bytes: int = 0  # HELD_BYTES_PER_PATCH x the patches of `inflight`
     answered: int = 0  # requests its workers ran and answered (a result or an error), all generations
+    busy_s: float = 0.0  # seconds it had something in `inflight`, all generations, up to `busy_since`
+    busy_since: float | None = None  # monotonic time `inflight` last became non-empty; None while empty
     load_error: str | None = None
+
+    def note_inflight(self) -> None:
+        """Account busy time after `inflight` changed (lock held). Busy: holding an image it was sent
+        and has not answered (running it, or the next one ready behind it)."""
+        busy = bool(self.inflight)
+        if busy == (self.busy_since is not None):
+            return
+        now = time.monotonic()
+        if busy:
+            self.busy_since = now
+        else:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
+
+    def busy_seconds(self, now: float) -> float:
+        """Busy time so far, the current stretch included (lock held)."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
 
 
 class EncoderPool:
@@ -267,8 +286,10 @@ class EncoderPool:
         return not any(s.outstanding for s in self._slots if s.device.startswith("cpu"))
 
     def health(self) -> dict[str, Any]:
-        """Per-worker state, for health checks and metrics."""
+        """Per-worker state, for health checks and metrics. `busy_seconds` only grows: over a window,
+        its increase over the window's length is the worker's busy fraction."""
         with self._lock:
+            now = time.monotonic()
             workers = [
                 {
                     "index": s.index,
@@ -283,6 +304,7 @@ class EncoderPool:
                     "inflight_bytes": s.inflight_bytes,
                     "outstanding_patches": s.outstanding,
                     "answered": s.answered,
+                    "busy_seconds": s.busy_seconds(now),
                 }
                 for s in self._slots
             ]
@@ -428,6 +450,7 @@ class EncoderPool:
             slot.outstanding -= request.patches
             slot.inflight_bytes -= held_bytes(request.patches)
             self._dispatch(slot)  # the worker gets its next image before this result is handed over
+            slot.note_inflight()  # after the dispatch: a worker handed its next image stays busy
         future = request.future
         # Outside the lock: done-callbacks may call back into the pool.
         if kind == "ok":
@@ -507,6 +530,7 @@ class EncoderPool:
                 continue
             slot.inflight[request.id] = request
             slot.inflight_bytes += held_bytes(request.patches)
+            slot.note_inflight()
             # Non-blocking: the queue's feeder thread pickles and writes it.
             slot.requests.put((request.id, *request.payload))
             request.payload = None
@@ -553,6 +577,7 @@ class EncoderPool:
         slot.outstanding -= sum(r.patches for r in slot.inflight.values())
         slot.inflight.clear()
         slot.inflight_bytes = 0
+        slot.note_inflight()
         return futures
 
     @staticmethod
